@@ -1,0 +1,505 @@
+"""Credit assignment for agentic RL: TWICE twin credit and the baselines it is compared with. Pure array math.
+
+TWICE ("Same Luck, Different Choice", arXiv 2610.31544; DESIGN.md section 5). Decision t of episode i, outcome U_i:
+  A_traj_i  = (U_i - mean_group U) / (std_group U + eps)           GRPO; std unbiased (ddof=1) like verl's torch.std
+  D_t       = U - U'                                             twin outcome difference; E[D_t | s_t, y_t] = Q - V
+  q_t       = clip(lam * sqrt(p_t / c_t), q_min, 1)              budget rule, lam such that sum_t q_t c_t = budget
+  A_hat_t   = 1[u_t < q_t] * mean_j D_t^j / q_t                  Horvitz-Thompson, unbiased for Q - V
+  A_i,tok   = A_traj_i + omega * A_hat_t / sigma_hat             on the sampled tokens of turn t, 0 elsewhere
+p_t = P(U != U') comes from `DiscordancePredictor` (online logistic regression on 1[D != 0]), c_t is the predicted
+twin cost in tokens, sigma_hat is `RunningScale` (EMA of the RMS of the nonzero A_hat).
+
+Baselines (DESIGN.md section 7), one short function each, the paper's equation in its docstring: VinePPO, GiGPO,
+HGPO, IGPO, ARPO, SPA-RL, AgentPRM (targets and losses only: learned estimators live with the trainer), CRAFT.
+
+Inputs are numpy arrays, lists or torch tensors (copied to float64 numpy); outputs are numpy. Group and state keys
+are any hashables (ints, strings, tuples); grouping uses equality only, never Python's hash() order.
+
+Deviations (tagged `# DEVIATION:` below):
+1. Groups of size 1 get advantage 0 (verl uses mean 0, std 1 there, i.e. the raw score).
+2. solve_budget: decisions with p_t = 0 stay at q_min until every p_t > 0 decision is at q = 1; only then does the
+   rest of the budget go to them, evenly. DESIGN.md does not say; this keeps sum q c = budget on the whole range.
+3. HGPO: a level whose group is a singleton contributes 0 and is left out of the weight normalisation.
+4. ARPO: Normalize(H_t - H_init) divides by log|V|, as the official code does; the paper leaves it open.
+5. CRAFT pillar 1 is our reading of a two-paragraph description: see `craft_token_importance`.
+
+No entry point: train_twice.py and audit.py import these functions. Tests: `python -m pytest -q tests/test_credit.py`.
+"""
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+FEATURES = ("turn", "is_search", "is_answer", "entropy", "group_success", "outcome", "turns_remaining", "surprise")
+
+
+def _np(x, dtype=np.float64):
+    """float64 numpy copy of a list, array or torch tensor (detached, moved to CPU)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.array(x, dtype=dtype)
+
+
+def _group_index(keys):
+    """Dense group ids 0..G-1 in order of first appearance; equal keys share an id."""
+    if hasattr(keys, "tolist"):  # numpy / torch: elementwise Python scalars (tensor elements hash by identity)
+        keys = keys.tolist()
+    ids, out = {}, np.empty(len(keys), dtype=np.int64)
+    for n, k in enumerate(keys):
+        out[n] = ids.setdefault(tuple(k) if isinstance(k, list) else k, len(ids))
+    return out
+
+
+def _sigmoid(z):
+    return 0.5 * (1.0 + np.tanh(0.5 * z))  # no overflow warning for large |z|
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TWICE (DESIGN 5)
+
+def grpo_advantages(rewards, group_ids, eps=1e-6, normalize_std=True) -> np.ndarray:
+    """GRPO group-normalised advantage (x - mean_g) / (std_g + eps) for each entry, grouped by equal `group_ids`.
+
+    std_g is the unbiased (ddof=1) sample std, as verl / Search-R1 (`torch.std`). normalize_std=False gives
+    x - mean_g. A constant group (all rewards equal) gets exactly 0; a group of size 1 gets 0.
+    """
+    x = _np(rewards).reshape(-1)
+    g = _group_index(group_ids)
+    if len(g) != len(x):
+        raise ValueError(f"{len(x)} rewards but {len(g)} group ids")
+    if x.size == 0:
+        return x
+    n = np.bincount(g).astype(np.float64)
+    dev = x - (np.bincount(g, x) / n)[g]
+    std = np.sqrt(np.bincount(g, dev * dev) / np.maximum(n - 1, 1))
+    out = dev / (std[g] + eps) if normalize_std else dev
+    lo, hi = np.full(len(n), np.inf), np.full(len(n), -np.inf)
+    np.minimum.at(lo, g, x)
+    np.maximum.at(hi, g, x)
+    out[(hi == lo)[g]] = 0.0  # DEVIATION: singletons -> 0; constant groups exactly 0 (mean may round off by an ulp)
+    return out
+
+
+class Budget(NamedTuple):
+    q: np.ndarray  # (n,) branch probabilities, each in [q_min, 1]
+    lam: float     # the multiplier lambda; inf once every p > 0 decision is at q = 1, 0 at the q_min floor
+    spent: float   # sum_t q_t c_t: expected twin tokens
+    over: bool     # True when budget < q_min * sum(c): the q_min floor forces spending past the budget
+
+
+def solve_budget(p, c, budget, q_min=0.05, rule="sqrt") -> Budget:
+    """Branch probabilities q_t = clip(lam * sqrt(p_t / c_t), q_min, 1) with sum_t q_t c_t = budget (DESIGN 5).
+
+    rule="uniform": q_t = clip(lam, q_min, 1), the same total. Returns Budget(q, lam, spent, over).
+    Edges: budget >= sum c -> all ones; budget <= q_min sum c -> all q_min (`over` says whether that exceeds the
+    budget); p_t = 0 -> q_min (see deviation 2); empty input -> empty q. c_t <= 0 or p_t outside [0, 1] raise.
+    lam is found by geometric bisection on the continuous, non-decreasing spend f(lam) = sum_t c_t q_t(lam), to float
+    precision (relative error of the spend ~1e-15).
+    """
+    p, c = _np(p).reshape(-1), _np(c).reshape(-1)
+    if p.shape != c.shape:
+        raise ValueError(f"p has {p.size} entries, c has {c.size}")
+    if not np.all(c > 0) or not np.all(np.isfinite(c)):
+        raise ValueError("twin costs c_t must be finite and > 0")
+    if not np.all((p >= 0) & (p <= 1)):
+        raise ValueError("discordance p_t must lie in [0, 1]")
+    if not (0 < q_min <= 1) or not budget >= 0 or rule not in ("sqrt", "uniform"):
+        raise ValueError(f"need 0 < q_min <= 1, budget >= 0, rule in (sqrt, uniform); got {q_min}, {budget}, {rule}")
+    total = float(c.sum())
+    w = np.sqrt(p / c) if rule == "sqrt" else np.ones_like(p)
+    pos = w > 0
+    full = c[pos].sum() + q_min * c[~pos].sum()  # spend once every p > 0 decision is at q = 1
+    if budget >= total:
+        q, lam = np.ones_like(p), math.inf
+    elif budget <= q_min * total:
+        q, lam = np.full_like(p, q_min), 0.0
+    elif budget >= full:  # DEVIATION: leftover spread evenly over the p = 0 decisions (deviation 2)
+        q, lam = np.where(pos, 1.0, q_min + (budget - full) / c[~pos].sum()), math.inf
+    else:
+        lo, hi = q_min / w[pos].max(), 1.0 / w[pos].min()  # f(lo) = q_min * total < budget <= full = f(hi)
+        for _ in range(200):  # geometric bisection: p_t / c_t may span hundreds of decades
+            mid = math.sqrt(lo) * math.sqrt(hi)
+            if not lo < mid < hi:
+                break
+            lo, hi = (mid, hi) if (c * np.clip(mid * w, q_min, 1.0)).sum() < budget else (lo, mid)
+        q, lam = np.clip(hi * w, q_min, 1.0), hi
+    return Budget(q, float(lam), float((q * c).sum()), bool(budget < q_min * total))
+
+
+def branch_mask(q, u) -> np.ndarray:
+    """Decision t gets a twin iff u_t < q_t; u_t are keyed uniforms in [0, 1) drawn by the caller (reproducible)."""
+    q, u = _np(q), _np(u)
+    if q.shape != u.shape:
+        raise ValueError(f"q {q.shape} and u {u.shape} differ in shape")
+    return u < q
+
+
+def ht_credit(diffs, branched, q) -> np.ndarray:
+    """Horvitz-Thompson turn credit A_hat_t = 1[branched_t] * mean_j(D_t^j) / q_t (DESIGN 5). Unbiased:
+    E[A_hat_t] = q_t * mean D / q_t, Var = mean(D)^2 (1/q_t - 1) for fixed twins.
+
+    diffs: a 2D array (n, K) (rows of unbranched decisions are ignored, may be NaN) or a list of per-decision
+    lists of K_t twin differences (empty for unbranched decisions). A branched decision needs at least one twin.
+    """
+    branched = np.asarray(branched, dtype=bool).reshape(-1)
+    q = _np(q).reshape(-1)
+    if len(q) != len(branched) or len(diffs) != len(q):
+        raise ValueError(f"lengths differ: diffs {len(diffs)}, branched {len(branched)}, q {len(q)}")
+    if not np.all((q[branched] > 0) & (q[branched] <= 1)):
+        raise ValueError("q_t must lie in (0, 1] for branched decisions")
+    a = np.zeros(len(q))
+    if isinstance(diffs, np.ndarray) or hasattr(diffs, "detach"):  # fast path, (n, K)
+        mean = _np(diffs).reshape(len(q), -1)[branched].mean(axis=1)
+    else:
+        rows = [_np(diffs[n]).reshape(-1) for n in np.flatnonzero(branched)]
+        if any(r.size == 0 for r in rows):
+            raise ValueError("a branched decision has no twin difference")
+        mean = np.array([r.mean() for r in rows])
+    if not np.all(np.isfinite(mean)):
+        raise ValueError("non-finite twin difference on a branched decision")
+    a[branched] = mean / q[branched]
+    return a
+
+
+def turn_advantages(a_traj, turn_credit, omega, sigma) -> list:
+    """Per-turn advantage A_{i,t} = A_traj_i + omega * A_hat_{i,t} / sigma (DESIGN 5, token advantage)."""
+    if not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+    return [a + omega * _np(credit).reshape(-1) / sigma for a, credit in zip(_np(a_traj).reshape(-1), turn_credit)]
+
+
+def token_advantages(a_traj, turn_credit, turn_spans, seq_len, omega, sigma) -> np.ndarray:
+    """(N, seq_len) token advantages: turn_advantages on the sampled tokens of each turn, 0 on every other token.
+
+    turn_spans[i] = [(start, end), ...] per turn of episode i, end exclusive, increasing and non-overlapping, in
+    the episode's token coordinates; turn_credit[i] = A_hat per turn (0 for an unbranched turn, which then carries
+    exactly A_traj_i). Observation and prompt tokens stay 0; the caller applies its loss mask anyway.
+    """
+    a_traj = _np(a_traj).reshape(-1)
+    if not len(a_traj) == len(turn_credit) == len(turn_spans):
+        raise ValueError(f"episodes: a_traj {len(a_traj)}, turn_credit {len(turn_credit)}, spans {len(turn_spans)}")
+    out = np.zeros((len(a_traj), seq_len))  # (N, L)
+    for i, (adv, spans) in enumerate(zip(turn_advantages(a_traj, turn_credit, omega, sigma), turn_spans)):
+        if len(adv) != len(spans):
+            raise ValueError(f"episode {i}: {len(adv)} turn credits but {len(spans)} turn spans")
+        prev = 0
+        for t, (start, end) in enumerate(spans):
+            if not prev <= start <= end <= seq_len:
+                raise ValueError(f"episode {i} turn {t}: span ({start}, {end}) overlaps or leaves [0, {seq_len})")
+            out[i, start:end] = adv[t]
+            prev = end
+    return out
+
+
+def featurize(turn, action, entropy, group_success, outcome, turns_remaining) -> np.ndarray:
+    """(n, len(FEATURES)) features of n decisions; each argument is a scalar or a length-n array (broadcast), so a
+    dict of columns works as `featurize(**cols)`.
+
+    turn             0-based index t of the turn
+    is_search        1 if `action == "search"`       } from `action`, the turn's parsed action; an invalid turn
+    is_answer        1 if `action == "answer"`       } (neither tag, action None) has both 0
+    entropy          mean per-token entropy of y_t under the sampling policy (nats)
+    group_success    success rate of the prompt's G lines (mean U over the group, this line included)
+    outcome          the factual outcome U in {0, 1}
+    turns_remaining  turns the factual episode played after t (T_i - 1 - t); 0 on the last turn
+    surprise         |outcome - group_success|: a linear model cannot form this outcome x group interaction itself,
+                     and it carries the main signal (a success in a failing group is where a twin most often differs)
+    """
+    action = np.asarray(action, dtype=object)  # strings or None; a single string is one decision
+    cols = [_np(turn), action == "search", action == "answer", _np(entropy), _np(group_success), _np(outcome),
+            _np(turns_remaining), np.abs(_np(outcome) - _np(group_success))]
+    cols = np.broadcast_arrays(*[np.atleast_1d(np.asarray(col, dtype=np.float64)) for col in cols])
+    return np.stack(cols, axis=-1).reshape(-1, len(FEATURES))
+
+
+class DiscordancePredictor:
+    """p_t = P(U != U') from per-decision features: online L2 logistic regression (DESIGN 5, discordance predictor).
+
+    Fitted on a replay buffer of the most recent `buffer_size` labelled decisions (label 1[D != 0] of branched
+    decisions), features standardised on the buffer, by damped Newton (IRLS) from zero: deterministic. Until the
+    buffer holds `min_fit` labels of both classes, predict() returns the prior: the mean of every label seen so
+    far, 0.5 before any. Predictions are clipped to [p_min, 1 - p_min] so q_t never collapses.
+    """
+    FEATURES = FEATURES
+    featurize = staticmethod(featurize)
+
+    def __init__(self, min_fit=64, buffer_size=4096, l2=1.0, p_min=0.02, newton_iters=30):
+        if not (l2 > 0 and 0 < p_min < 0.5 and min_fit >= 1 and buffer_size >= min_fit):
+            raise ValueError("need l2 > 0, 0 < p_min < 0.5, 1 <= min_fit <= buffer_size")
+        self.min_fit, self.buffer_size, self.newton_iters = min_fit, buffer_size, newton_iters
+        self.l2, self.p_min = l2, p_min  # L2 strength on standardised weights; clip of every prediction
+        d = len(FEATURES)
+        self.X, self.y = np.zeros((0, d)), np.zeros(0)  # replay buffer, oldest first
+        self.mu, self.sd, self.w = np.zeros(d), np.ones(d), None  # w: (d + 1,), intercept last; None = prior
+        self.n_seen = self.n_pos = self.n_scored = self.n_correct = 0
+        self.accuracy = math.nan  # on the last update batch, predicted before fitting on it
+
+    @property
+    def prior(self) -> float:
+        return self.n_pos / self.n_seen if self.n_seen else 0.5
+
+    @property
+    def running_accuracy(self) -> float:
+        return self.n_correct / self.n_scored if self.n_scored else math.nan
+
+    def _check(self, X):
+        X = _np(X)
+        if X.ndim != 2 or X.shape[1] != len(FEATURES) or not np.all(np.isfinite(X)):
+            raise ValueError(f"X must be finite with shape (n, {len(FEATURES)}) = featurize(...); got {X.shape}")
+        return X
+
+    def _design(self, X):
+        return np.hstack([(X - self.mu) / self.sd, np.ones((len(X), 1))])  # (n, d + 1)
+
+    def predict(self, X) -> np.ndarray:
+        X = self._check(X)
+        p = np.full(len(X), self.prior) if self.w is None else _sigmoid(self._design(X) @ self.w)
+        return np.clip(p, self.p_min, 1.0 - self.p_min)
+
+    def update(self, X, y) -> float:
+        """Score the batch (p >= 0.5 predicts discordant), append it to the buffer, refit; returns the accuracy."""
+        X, y = self._check(X), _np(y).reshape(-1)
+        if len(y) != len(X) or not np.all((y == 0) | (y == 1)):
+            raise ValueError(f"need one 0/1 label per row: {len(X)} rows, labels {np.unique(y)[:5]}")
+        if len(y) == 0:
+            return self.accuracy
+        correct = int(np.sum((self.predict(X) >= 0.5) == (y == 1)))
+        self.accuracy = correct / len(y)
+        self.n_correct, self.n_scored = self.n_correct + correct, self.n_scored + len(y)
+        self.n_seen, self.n_pos = self.n_seen + len(y), self.n_pos + int(y.sum())
+        self.X = np.concatenate([self.X, X])[-self.buffer_size:]
+        self.y = np.concatenate([self.y, y])[-self.buffer_size:]
+        self._fit()
+        return self.accuracy
+
+    def _fit(self):
+        y, n_pos = self.y, self.y.sum()
+        if len(y) < self.min_fit or n_pos in (0, len(y)):
+            self.w = None
+            return
+        self.mu, sd = self.X.mean(axis=0), self.X.std(axis=0)
+        self.sd = np.where(sd > 0, sd, 1.0)  # constant columns stand still (their weight is held at 0 by the L2)
+        Z = self._design(self.X)
+        reg = np.full(Z.shape[1], self.l2)
+        reg[-1] = 0.0  # the intercept is not shrunk
+        w = np.zeros(Z.shape[1])
+        w[-1] = math.log(n_pos / (len(y) - n_pos))
+
+        def loss(w):  # penalised negative log-likelihood, overflow-free
+            z = Z @ w
+            return np.sum(np.logaddexp(0.0, z) - y * z) + 0.5 * np.sum(reg * w * w)
+        cur = loss(w)
+        for _ in range(self.newton_iters):
+            p = _sigmoid(Z @ w)
+            hess = (Z * (p * (1 - p))[:, None]).T @ Z + np.diag(reg)
+            step = np.linalg.solve(hess, Z.T @ (p - y) + reg * w)
+            for t in 0.5 ** np.arange(20):  # damping: a full Newton step can overshoot on nearly separable data
+                new = loss(w - t * step)
+                if new <= cur:
+                    break
+            if new > cur:  # no descent left at float precision
+                break
+            w, done, cur = w - t * step, cur - new <= 1e-12 * (1.0 + abs(cur)), new
+            if done:
+                break
+        self.w = w
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state (Python floats round-trip exactly): reload gives bit-identical predictions."""
+        s = {k: getattr(self, k) for k in ("min_fit", "buffer_size", "l2", "p_min", "newton_iters", "n_seen",
+                                           "n_pos", "n_scored", "n_correct")}
+        s.update(X=self.X.tolist(), y=self.y.tolist(), mu=self.mu.tolist(), sd=self.sd.tolist(),
+                 w=None if self.w is None else self.w.tolist(),
+                 accuracy=None if math.isnan(self.accuracy) else self.accuracy)
+        return s
+
+    def load_state_dict(self, s: dict):
+        for k in ("min_fit", "buffer_size", "newton_iters", "n_seen", "n_pos", "n_scored", "n_correct"):
+            setattr(self, k, int(s[k]))
+        self.l2, self.p_min = float(s["l2"]), float(s["p_min"])
+        self.X = np.array(s["X"], dtype=np.float64).reshape(-1, len(FEATURES))
+        self.y, self.mu, self.sd = (np.array(s[k], dtype=np.float64) for k in ("y", "mu", "sd"))
+        self.w = None if s["w"] is None else np.array(s["w"], dtype=np.float64)
+        self.accuracy = math.nan if s["accuracy"] is None else float(s["accuracy"])
+
+
+class RunningScale:
+    """sigma_hat (DESIGN 5): EMA of the RMS of the nonzero A_hat of each batch; the first batch sets it, an
+    all-zero batch is ignored, and `value` is 1.0 before any data."""
+
+    def __init__(self, decay=0.9):
+        self.decay, self._value = decay, None
+
+    @property
+    def value(self) -> float:
+        return 1.0 if self._value is None else self._value
+
+    def update(self, a_hat) -> float:
+        a = _np(a_hat).reshape(-1)
+        a = a[a != 0]
+        if a.size:
+            rms = float(np.sqrt(np.mean(a * a)))
+            self._value = rms if self._value is None else self.decay * self._value + (1 - self.decay) * rms
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "value": self._value}
+
+    def load_state_dict(self, s: dict):
+        self.decay, self._value = float(s["decay"]), None if s["value"] is None else float(s["value"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Baselines (DESIGN 7). Step lists are flat over all steps of the batch unless a docstring says per episode.
+
+def discounted_returns(rewards, gamma=1.0) -> np.ndarray:
+    """Return-to-go R_t = sum_{k >= t} gamma^(k-t) r_k of one episode."""
+    r, acc = _np(rewards).reshape(-1), 0.0
+    out = np.empty_like(r)
+    for t in range(len(r) - 1, -1, -1):
+        acc = r[t] + gamma * acc
+        out[t] = acc
+    return out
+
+
+def mc_value(outcomes) -> np.ndarray:
+    """Monte Carlo value: mean of K rollout outcomes along the last axis."""
+    return _np(outcomes).mean(axis=-1)
+
+
+def vineppo_advantages(values, outcome) -> np.ndarray:
+    """VinePPO (Kazemnejad et al. 2024), one episode: A_t = V(s_{t+1}) - V(s_t), t = 1..T, with V(s_t) the MC
+    estimate at the boundary before turn t (mc_value of K rollouts from there) and V(s_{T+1}) = the outcome
+    (reward only at the end, gamma = 1). The advantages telescope to outcome - V(s_1)."""
+    return np.diff(np.append(_np(values).reshape(-1), float(outcome)))
+
+
+def gigpo_step_advantages(anchor_keys, returns, normalize="std", eps=1e-6) -> np.ndarray:
+    """GiGPO step advantage (Feng et al. 2025, micro advantage A^S): steps grouped by identical anchor state key,
+    A^S = (R_t - mean_group) / F_norm, F_norm = std (normalize="std") or 1 ("none"); R_t the discounted
+    return-to-go. Singleton groups -> 0. Keys should include the prompt so only one prompt's rollouts meet."""
+    if normalize not in ("std", "none"):
+        raise ValueError(f"normalize must be 'std' or 'none', got {normalize!r}")
+    return grpo_advantages(returns, anchor_keys, eps, normalize_std=normalize == "std")
+
+
+def gigpo_combine(a_episode, a_step, omega) -> np.ndarray:
+    """GiGPO: A = A^E(tau_i) + omega * A^S(a_t) (episode advantage broadcast to each of its steps)."""
+    return _np(a_episode) + omega * _np(a_step)
+
+
+def hgpo_context_keys(states, max_k) -> list:
+    """HGPO context operator for one episode: level k key of step t = (s_{t-k}, ..., s_t), shorter near the start.
+    Returns max_k + 1 lists (levels 0..K) of per-step tuples; prefix the states with the prompt uid."""
+    states = list(states)
+    return [[tuple(states[max(0, t - k): t + 1]) for t in range(len(states))] for k in range(max_k + 1)]
+
+
+def hgpo_advantages(context_keys_per_level, returns, alpha=1.0, eps=1e-6) -> np.ndarray:
+    """HGPO (hierarchical history-context groups): A = sum_k w_k A_k, A_k the group-normalised return within the
+    level-k context group, w_k = (k+1)^alpha / sum_k' (k'+1)^alpha.
+
+    A level where the step's group is a singleton says nothing about the action: it contributes 0 and its weight
+    leaves the normalisation (# DEVIATION: deviation 3). A step with no shared level gets 0.
+    """
+    R = _np(returns).reshape(-1)
+    num, den = np.zeros_like(R), np.zeros_like(R)
+    for k, keys in enumerate(context_keys_per_level):
+        g = _group_index(keys)
+        w = (k + 1.0) ** alpha * (np.bincount(g)[g] > 1)  # (n,) weight, 0 on singletons
+        num += w * grpo_advantages(R, g, eps)
+        den += w
+    return np.divide(num, den, out=np.zeros_like(R), where=den > 0)
+
+
+def igpo_turn_rewards(answer_logprobs, outcome) -> np.ndarray:
+    """IGPO raw turn rewards of one episode with T turns: r_t = lp_t - lp_{t-1} for t = 1..T-1 (information gain
+    of turn t), r_T = outcome. answer_logprobs[t] = mean per-token log-prob of the gold answer, teacher-forced,
+    given the question and the interaction up to turn t, t = 0..T-1 (t = 0: the question alone)."""
+    return np.append(np.diff(_np(answer_logprobs).reshape(-1)), float(outcome))
+
+
+def igpo_advantages(answer_logprobs, outcomes, group_ids, gamma=1.0, eps=1e-6) -> list:
+    """IGPO (Wang et al. 2025): z-normalise the IG rewards over all turns of the group's episodes and the outcome
+    rewards over the group's episodes, separately; A_t = sum_{k >= t} gamma^(k-t) r~_k. Per-episode arrays (T_i,)."""
+    gid = _group_index(group_ids)
+    raw = [igpo_turn_rewards(lp, o) for lp, o in zip(answer_logprobs, _np(outcomes).reshape(-1))]
+    n_ig = np.array([len(r) - 1 for r in raw], dtype=np.int64)
+    ig = grpo_advantages(np.concatenate([r[:-1] for r in raw]), np.repeat(gid, n_ig), eps)
+    out = grpo_advantages([r[-1] for r in raw], gid, eps)
+    return [discounted_returns(np.append(g, o), gamma) for g, o in zip(np.split(ig, np.cumsum(n_ig)[:-1]), out)]
+
+
+def arpo_branch(entropy, entropy_init, alpha, beta, tau, vocab_size) -> np.ndarray:
+    """ARPO (Dong et al. 2025) entropy-triggered branching: P_t = alpha + beta * Normalize(H_t - H_initial),
+    branch iff P_t > tau. # DEVIATION: Normalize = / log|V| (ARPO's released code; deviation 4). The official code also
+    draws alpha ~ U(0, 1) per candidate: pass an array of keyed uniforms for that."""
+    dh = (_np(entropy) - _np(entropy_init)) / math.log(vocab_size)
+    return _np(alpha) + beta * dh > tau
+
+
+def arpo_advantages(rewards, paths, eps=1e-6) -> list:
+    """ARPO advantage attribution on one prompt's rollout tree. paths[i] = segment ids (hashables) of trajectory i,
+    root first; shared-prefix segments appear in several paths. A_i = group-normalised reward over the G
+    trajectories; a segment gets the mean A_i of the trajectories through it (its own A_i if it is individual).
+    Returns per-trajectory arrays of segment advantages, aligned with paths."""
+    a = grpo_advantages(rewards, np.zeros(len(paths), dtype=np.int64), eps)
+    total, count = {}, {}
+    for a_i, path in zip(a, paths):
+        for seg in path:
+            total[seg], count[seg] = total.get(seg, 0.0) + a_i, count.get(seg, 0) + 1
+    return [np.array([total[seg] / count[seg] for seg in path]) for path in paths]
+
+
+def spa_rl_rewards(contributions, grounding, alpha, beta) -> np.ndarray:
+    """SPA-RL (Wang et al. 2025) fused step reward r_t = alpha * c_t + beta * g_t: progress contribution c_t from
+    the learned estimator, grounding g_t = 1 if the action could be executed."""
+    return alpha * _np(contributions) + beta * _np(grounding)
+
+
+def spa_rl_loss(pred_contribs_per_episode, outcomes):
+    """SPA-RL progress-estimator loss: mean over episodes of (sum_t c_hat_t - R)^2. Duck-typed: torch tensors in,
+    differentiable torch scalar out; lists or numpy in, a float out."""
+    terms = [((c if hasattr(c, "sum") else np.asarray(c, dtype=np.float64)).sum() - r) ** 2
+             for c, r in zip(pred_contribs_per_episode, outcomes)]
+    return sum(terms) / len(terms)
+
+
+def agentprm_targets(sa_keys, returns) -> np.ndarray:
+    """AgentPRM (Choudhury 2025, "Process Reward Models for LLM Agents") MC target: Q_hat(s, a) = mean discounted
+    return-to-go over every visit of the same (state, action) key; returned per step."""
+    g, R = _group_index(sa_keys), _np(returns).reshape(-1)
+    return (np.bincount(g, R) / np.bincount(g))[g]
+
+
+def soft_bce(q_pred, q_target, eps=1e-7) -> float:
+    """AgentPRM loss: -mean(Q_hat log Q + (1 - Q_hat) log(1 - Q)), Q clipped to [eps, 1 - eps]."""
+    p, t = np.clip(_np(q_pred), eps, 1 - eps), _np(q_target)
+    return float(-np.mean(t * np.log(p) + (1 - t) * np.log1p(-p)))
+
+
+def craft_token_importance(gaps, advantages, beta=1.0) -> np.ndarray:
+    """CRAFT pillar 1, counterfactual token importance: signed credit C_{i,t} per rollout i and turn t.
+
+    Our reading of the seed (# DEVIATION: deviation 5): to estimate how the group advantage would change if the
+    policy at turn t were tilted toward the teacher (the same policy with privileged context), reweight the G-1
+    siblings j != i by the teacher/student likelihood ratio of their own turn-t decision,
+        w_j = exp(beta * g_{j,t}),  g_{j,t} = sum over the turn's tokens of (log pi_teacher - log pi_student),
+        C_{i,t} = sum_j w_j A_j / sum_j w_j - mean_j A_j   (self-normalised importance sampling, j over siblings
+    that have a turn t). C > 0: following the teacher at turn t raises the advantage; C < 0: it would hurt.
+    # DEVIATION: computed per turn and broadcast to the turn's tokens (e.g. with token_advantages), because
+    sibling tokens cannot be aligned position by position. gaps: (G, T), NaN where a rollout has no turn t;
+    advantages: (G,) GRPO advantages. Returns (G, T); 0 where rollout i has no turn t or no sibling has one.
+    """
+    g, A = _np(gaps), _np(advantages).reshape(-1)
+    if g.ndim != 2 or len(g) != len(A):
+        raise ValueError(f"gaps must be (G, T) with G = {len(A)}; got {g.shape}")
+    has = ~np.isnan(g)
+    out = np.zeros(g.shape)
+    for i, t in zip(*np.nonzero(has)):
+        m = has[:, t] & (np.arange(len(A)) != i)  # leave-one-out siblings with a turn t
+        if m.any():
+            logw = beta * g[m, t]
+            w = np.exp(logw - logw.max())
+            out[i, t] = w @ A[m] / w.sum() - A[m].mean()
+    return out
