@@ -88,3 +88,111 @@ def load_qa(path: str) -> list:
     if not rows:
         raise ValueError(f"{path}: no QA rows")
     return rows
+
+
+# --- evaluation of a policy on QA sets (greedy episodes, DESIGN.md section 3) ---
+
+def em_table(per_source: dict) -> str:
+    """Markdown table: one row per data source plus the unweighted average over sources (Search-R1's 'Avg.')."""
+    lines = ["| dataset | n | EM |", "|---|---:|---:|"]
+    for name, (n, em) in per_source.items():
+        lines.append(f"| {name} | {n} | {100 * em:.1f} |")
+    if per_source:
+        avg = sum(em for _, em in per_source.values()) / len(per_source)
+        lines.append(f"| **average** | {sum(n for n, _ in per_source.values())} | **{100 * avg:.1f}** |")
+    return "\n".join(lines)
+
+
+def summarize(rows: list, rewards: list) -> dict:
+    """{data_source: (n, mean EM)} in order of first appearance."""
+    out = {}
+    for row, r in zip(rows, rewards):
+        n, s = out.get(row["data_source"], (0, 0.0))
+        out[row["data_source"]] = (n + 1, s + r)
+    return {k: (n, s / n) for k, (n, s) in out.items()}
+
+
+def evaluate(model, tokenizer, retriever, rows: list, proto, chunk: int = 256, progress: bool = True) -> list:
+    """Greedy episodes (proto.temperature must be 0) for every row -> the finished Episode records, in order."""
+    import rollout
+    from tqdm import tqdm
+    if proto.temperature != 0:
+        raise ValueError("evaluation is greedy: set temperature 0 (DESIGN.md section 3)")
+    episodes = []
+    for c in tqdm(range(0, len(rows), chunk), desc="eval", unit="chunk", disable=not progress):
+        batch = rollout.start_episodes(tokenizer, rows[c:c + chunk], run_seed=0, step=0, group_size=1)
+        episodes += rollout.run_episodes(model, tokenizer, retriever, batch, proto)
+    return episodes
+
+
+def load_policy(path: str, device=None, dtype=None):
+    """(model, tokenizer) from an HF folder or hub id; refuses a tokenizer whose ids the model cannot embed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    n_embed = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > n_embed:
+        raise ValueError(f"{path}: tokenizer has {len(tokenizer)} tokens but the model embeds only {n_embed}: "
+                         "mismatched tokenizer and model")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device or "cpu").eval(), tokenizer
+
+
+def load_retriever(index: str = "", url: str = ""):
+    """In-process dense retriever over an index folder, or a client of a Search-R1-style HTTP server."""
+    import retriever
+    if url:
+        return retriever.RemoteRetriever(url)
+    if not index:
+        raise ValueError("give --index DIR or --retriever_url URL")
+    return retriever.DenseRetriever(index)
+
+
+def main(argv=None):
+    import argparse
+    import rollout
+    import torch
+    ap = argparse.ArgumentParser(description="Greedy exact-match evaluation of a search agent on QA sets.")
+    ap.add_argument("--model", required=True, help="HF folder or hub id of the policy")
+    ap.add_argument("--data", required=True, help="comma-separated QA files (.jsonl / .parquet)")
+    ap.add_argument("--index", default="", help="retriever index folder (retriever.py build)")
+    ap.add_argument("--retriever_url", default="", help="Search-R1-style server, e.g. http://127.0.0.1:8000/retrieve")
+    ap.add_argument("--out", default="", help="write per-question records and the table as json here")
+    ap.add_argument("--limit", type=int, default=0, help="first N questions of each file (0 = all)")
+    ap.add_argument("--max_turns", type=int, default=4)
+    ap.add_argument("--topk", type=int, default=3)
+    ap.add_argument("--max_new_tokens", type=int, default=500)
+    ap.add_argument("--max_obs_tokens", type=int, default=500)
+    ap.add_argument("--max_context", type=int, default=4096)
+    ap.add_argument("--gen_batch_size", type=int, default=64)
+    args = ap.parse_args(argv)
+    rows = []
+    for path in args.data.split(","):
+        rows += load_qa(path)[:args.limit or None]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_policy(args.model, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    proto = rollout.Protocol(max_turns=args.max_turns, topk=args.topk, max_new_tokens=args.max_new_tokens,
+                             max_obs_tokens=args.max_obs_tokens, max_context=args.max_context, temperature=0.0,
+                             gen_batch_size=args.gen_batch_size)
+    episodes = evaluate(model, tokenizer, load_retriever(args.index, args.retriever_url), rows, proto)
+    per_source = summarize(rows, [ep.reward for ep in episodes])
+    table = em_table(per_source)
+    print(table)
+    if args.out:
+        records = [{"id": r["id"], "data_source": r["data_source"], "question": r["question"], "answer": ep.answer,
+                    "golden_answers": r["golden_answers"], "em": ep.reward, "turns": len(ep.turns),
+                    "response": tokenizer.decode(ep.ids, skip_special_tokens=False)} for r, ep in zip(rows, episodes)]
+        result = {"model": args.model, "per_source": {k: {"n": n, "em": em} for k, (n, em) in per_source.items()},
+                  "average_em": sum(em for _, em in per_source.values()) / len(per_source), "table": table,
+                  "records": records}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.out)  # atomic: an interrupted run never leaves half a results file
+    return per_source
+
+
+if __name__ == "__main__":
+    main()
