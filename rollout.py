@@ -4,9 +4,41 @@ Protocol (DESIGN.md section 3, Search-R1 compatible byte for byte where it matte
 Search-R1 instruction and the question, chat-templated when the tokenizer has a template; each turn is one
 generation that stops right after the first `</search>` or `</answer>`; the first `<search>`/`<answer>` of the
 turn is the action; a search appends `\\n\\n<information>{docs}</information>\\n\\n`, an answer ends the episode,
-anything else appends Search-R1's invalid-action message.
+anything else appends Search-R1's invalid-action message. Turns 0..max_turns-1 execute their action (Search-R1's
+`max_turns` loop: at most max_turns searches); turn max_turns is the final turn, whose search is not executed.
+
+Keyed sampling (DESIGN.md section 4): token v at position `pos` of turn `t` of an episode is drawn as
+    y = argmax_v  l_v / T + g_v,   g_v = -log(-log u_v),   u_v = U(turn_key(episode_key, t), pos, v)
+with U a counter-based hash (the splitmix64 stream seeded by mix(turn_key, pos), element v+1), so every row is a
+pure function of its key: any episode regenerates alone, in any batch, with any left padding, on any device.
+Twins (DESIGN.md section 5) replace one turn's key by alt_key(episode_key, t, j) and replay the factual keys after
+it: D_t = U - U' (E[D_t | s_t, y_t] = Q(s_t, y_t) - V(s_t)).
+
+Deviations (each tagged `# DEVIATION:` below):
+  1. An empty or whitespace-only search query is an invalid action (Search-R1 sends "" to the retriever).
+  2. Queries longer than `max_query_chars` are truncated before retrieval (Search-R1 sends them whole).
+  3. An episode whose context reaches `max_context` tokens ends there, scored on its response so far; observations
+     are cut to fit (Search-R1 left-truncates the rolling context instead, which would change what later tokens
+     condition on between a factual episode and its twin).
+  4. An EOS token stays in the response as sampled (loss mask 1); Search-R1's decode/re-encode drops it.
+
+Launch: `python rollout.py bench` (keyed vs multinomial generation time, CPU or GPU); the episode loop is driven by
+train_twice.py and audit.py.
 """
+import argparse
+import contextlib
+import hashlib
+import math
 import re
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+import eval as qa_eval
 
 # --- protocol constants (Search-R1 compatibility: byte for byte, typo "as your want" included) ---
 INSTRUCTION = (
@@ -63,3 +95,672 @@ def parse_action(text: str):
 def information_block(docs_text: str) -> str:
     """Observation appended after a search (Search-R1 execute_predictions)."""
     return f"\n\n<information>{docs_text.strip()}</information>\n\n"
+
+
+@dataclass
+class Protocol:
+    """Episode settings (DESIGN.md section 3; Search-R1 defaults)."""
+    max_turns: int = 4            # turns that execute their action (so at most this many searches); one final turn
+    topk: int = 3                 # documents per search
+    max_new_tokens: int = 500     # sampled tokens per turn
+    max_obs_tokens: int = 500     # observation (information block / invalid-action message) tokens, cut after this
+    max_context: int = 4096       # prompt + response tokens; an episode that reaches it ends (DEVIATION 3)
+    temperature: float = 1.0      # T; 0 = greedy (evaluation)
+    top_p: float = 1.0            # nucleus mass kept before the noise; 1 = off
+    top_k: int = 0                # most likely tokens kept before the noise; 0 = off
+    gen_batch_size: int = 64      # rows per generate call (episodes sorted by context length, then chunked)
+    max_query_chars: int = 1024   # a search query is cut to this many characters before retrieval (DEVIATION 2)
+    fused_sampler: bool = False   # torch.compile the keyed sampler into one kernel (use on GPU; eager is reference)
+
+
+# --- keys (DESIGN.md section 4): integer mixing only, never Python's hash(), which is salted per process ---
+M64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment, 2^64 / golden ratio
+FMIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None))  # splitmix64 finaliser (Steele et al. 2014)
+U_BITS = 23  # u = (k + 1/2) / 2^23: exactly representable in float32, never 0 or 1, so g is finite (|g| < 17)
+TURN_TAG, ALT_TAG, UNCOUPLED_TAG, MC_Q_TAG, MC_V_TAG = 0x7475726E, 0x616C74, 0x756E63, 0x6D6371, 0x6D6376  # ASCII
+
+
+def _fmix64(x: int) -> int:
+    for shift, mult in FMIX:
+        x ^= x >> shift
+        if mult:
+            x = x * mult & M64
+    return x
+
+
+def mix(*ints: int) -> int:
+    """Unsigned 64-bit mix of integers (splitmix64 finaliser after each): order-sensitive, stable across runs."""
+    h = 0
+    for a in ints:
+        h = _fmix64(((h ^ (a & M64)) + GOLDEN) & M64)
+    return h
+
+
+def stable_id(s: str) -> int:
+    """Prompt uid from a string id (blake2b, 8 bytes): the same in every process, unlike hash()."""
+    return int.from_bytes(hashlib.blake2b(s.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def episode_key(run_seed: int, step: int, uid: int, line: int) -> int:
+    return mix(run_seed, step, uid, line)  # line = index inside the GRPO group: lines get independent noise
+
+
+def turn_key(ep_key: int, turn: int) -> int:
+    return mix(ep_key, TURN_TAG, turn)
+
+
+def alt_key(ep_key: int, turn: int, j: int) -> int:
+    """Key of the j-th alternative decision at `turn`: independent of the factual turn's keys (DESIGN.md 5)."""
+    return mix(ep_key, ALT_TAG, turn, j)
+
+
+def fresh_key(ep_key: int, tag: int, *idx: int) -> int:
+    """Seed of uncoupled noise (independent twins, Monte Carlo rollouts): turns then use turn_key(seed, turn)."""
+    return mix(ep_key, tag, *idx)
+
+
+def _signed(u: int) -> int:
+    """uint64 -> the int64 with the same bits (torch has no usable uint64 arithmetic)."""
+    u &= M64
+    return u - (1 << 64) if u >> 63 else u
+
+
+# --- keyed uniforms: int64 arithmetic wraps, so it is uint64 arithmetic bit for bit; shifts are made logical ---
+_FMIX_T = tuple((shift, (1 << (64 - shift)) - 1, _signed(mult) if mult else None) for shift, mult in FMIX)
+_WEYL = {}  # (vocab, device) -> (V,) int64 (v + 1) * GOLDEN
+
+
+def _fmix64_(x, tmp, rounds=3):
+    """splitmix64 finaliser in place on an int64 tensor (tmp: scratch of the same shape, or None)."""
+    for shift, low, mult in _FMIX_T[:rounds]:
+        tmp = torch.bitwise_right_shift(x, shift, out=tmp)
+        x.bitwise_xor_(tmp.bitwise_and_(low))  # clear the sign-extended bits: logical shift
+        if mult is not None:
+            x.mul_(mult)
+    return x
+
+
+def _row_seeds(keys, pos):
+    """mix(key, pos) for a (B,) int64 tensor of keys: the seed of the row's noise stream at position pos."""
+    h = _fmix64_(keys + _signed(GOLDEN), None)
+    return _fmix64_((h ^ pos) + _signed(GOLDEN), None)
+
+
+def _weyl(vocab: int, device) -> torch.Tensor:
+    key = (vocab, str(device))
+    if key not in _WEYL:
+        _WEYL[key] = torch.arange(1, vocab + 1, dtype=torch.int64, device=device).mul_(_signed(GOLDEN))
+    return _WEYL[key]
+
+
+def _stream_top_bits(seeds, weyl, x=None, tmp=None):
+    """(B, V) signed top U_BITS bits of splitmix64 output v+1 of each row's stream, in [-2^22, 2^22).
+
+    The finaliser's last xorshift (>> 31) leaves the top 31 bits unchanged, so two rounds give the same top bits.
+    """
+    x = _fmix64_(torch.add(seeds[:, None], weyl, out=x), tmp, rounds=2)
+    return torch.bitwise_right_shift(x, 64 - U_BITS, out=tmp)  # arithmetic shift: the top bits, as a signed int
+
+
+def _log_uniform_(k, out=None):
+    """log u with u = (k + 2^22 + 1/2) / 2^23 (k from _stream_top_bits): every step exact in float32 but the log."""
+    u = torch.mul(k, 2.0 ** -U_BITS, out=out) if out is None else out.copy_(k).mul_(2.0 ** -U_BITS)
+    return u.add_(0.5 + 2.0 ** -(U_BITS + 1)).log_()
+
+
+def keyed_uniform(row_keys, pos, vocab: int, device=None) -> torch.Tensor:
+    """(B, V) float32 uniforms in (0, 1), a pure function of (row key, pos, v): U of DESIGN.md section 4.
+
+    row_keys: B keys (python ints, uint64 values) or an int64 tensor; pos: int or (B,) tensor.
+    """
+    if not torch.is_tensor(row_keys):
+        row_keys = torch.tensor([_signed(k) for k in row_keys], dtype=torch.int64, device=device)
+    k = _stream_top_bits(_row_seeds(row_keys, pos), _weyl(vocab, row_keys.device))
+    return k.float().mul_(2.0 ** -U_BITS).add_(0.5 + 2.0 ** -(U_BITS + 1))  # (B, V)
+
+
+def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))
+
+
+def _keyed_race(l, seeds, weyl, e=None, x=None, tmp=None, f=None):
+    """Keyed Gumbel-max on scaled, masked logits l (B, V), modified in place -> (token, log-prob, entropy), (B,).
+
+    argmax_v l_v + g_v = argmax_v exp(l_v - m) / E_v with E_v = -log u_v ~ Exp(1) (the exponential race): the
+    same draw, one log per element instead of two, and exp(l - m) is needed for the entropy anyway. Optional
+    e/x/tmp/f are (B, V) scratch buffers (eager CPU: reusing them avoids page faults); torch.compile passes none.
+    """
+    m = l.amax(-1, keepdim=True)  # (B, 1)
+    l.sub_(m).clamp_(min=torch.finfo(l.dtype).min)  # finite -inf masks keep 0 * log 0 = 0 in the entropy
+    e = torch.exp(l, out=e)  # (B, V) unnormalised probabilities, max 1
+    z = e.sum(-1)  # (B,)
+    log_z = z.log()
+    entropy = log_z - (e * l).sum(-1) / z
+    log_u = _log_uniform_(_stream_top_bits(seeds, weyl, x, tmp), f)  # (B, V), < 0
+    token = e.div_(log_u).argmin(-1)  # e / log u = -e / E: its minimum is the race winner
+    logprob = l.gather(1, token[:, None]).squeeze(1) - log_z
+    return token, logprob, entropy
+
+
+_COMPILED = {}  # "race" -> torch.compile(_keyed_race): one fused kernel over (B, V), compiled on first use
+
+
+def _mask_top_k_top_p(l, top_k: int, top_p: float):
+    """Mask to -inf outside top-k, then outside the nucleus (transformers' TopK/TopPLogitsWarper, same order)."""
+    if top_k > 0 and top_k < l.shape[-1]:
+        l.masked_fill_(l < torch.topk(l, top_k).values[..., -1:], -math.inf)
+    if top_p < 1.0:
+        sorted_l, order = torch.sort(l, descending=False)
+        drop = sorted_l.softmax(-1).cumsum(-1) <= 1 - top_p  # (B, V) in ascending order
+        drop[..., -1:] = False  # keep at least the most likely token
+        l.masked_fill_(drop.scatter(1, order, drop), -math.inf)
+    return l
+
+
+class KeyedGumbelProcessor(LogitsProcessor):
+    """Keyed Gumbel-max sampling inside `model.generate(do_sample=False)` (DESIGN.md section 4).
+
+    Row b's token at position pos of the turn (pos = generated length, never the padded length) is
+    argmax_v l_v / T + g_v with masking (top-k, top-p) applied before the noise: an exact sample from softmax of the
+    masked l / T. The processor draws it itself and returns the scores with +inf at that token, so greedy search picks
+    it whatever it would do with ties (and no (B, V) write). T = 0 is greedy (no noise). It records, per row and step,
+    the token's log-prob under the sampling distribution and the entropy of that distribution (at T = 0: those of
+    softmax(logits)); finished rows (`rows`, set by TurnStopper) are skipped and record nan.
+    """
+
+    def __init__(self, turn_keys, start_len: int, temperature=1.0, top_k=0, top_p=1.0, fused=False):
+        self.keys = turn_keys  # (B,) int64, the turn key of each row
+        self.start_len = start_len  # input length of this generate call (prompt + padding)
+        self.temperature, self.top_k, self.top_p, self.fused = temperature, top_k, top_p, fused
+        self.rows = None  # (b,) indices of rows still generating; None = all
+        self.logprobs, self.entropy = [], []  # one (B,) tensor per step
+        self._buffers = None
+
+    def __call__(self, input_ids, scores):  # (B, L), (B, V) float32, a copy owned by generate
+        pos = input_ids.shape[1] - self.start_len
+        rows = self.rows
+        logits = scores if rows is None else scores.index_select(0, rows)  # (b, V)
+        keys = self.keys if rows is None else self.keys.index_select(0, rows)
+        token, logprob, entropy = self._draw(logits, keys, pos)
+        if rows is None:
+            rows = torch.arange(scores.shape[0], device=scores.device)
+            self.logprobs.append(logprob)
+            self.entropy.append(entropy)
+        else:
+            self.logprobs.append(torch.full_like(scores[:, 0], math.nan).index_copy_(0, rows, logprob))
+            self.entropy.append(torch.full_like(scores[:, 0], math.nan).index_copy_(0, rows, entropy))
+        scores[rows, token] = math.inf
+        return scores
+
+    def _draw(self, l, keys, pos):
+        if self.temperature == 0:  # greedy: argmax of the logits, statistics of softmax(logits)
+            token = l.argmax(-1)
+            log_p = torch.log_softmax(l, -1)
+            return token, log_p.gather(1, token[:, None]).squeeze(1), -(log_p.exp() * log_p.nan_to_num()).sum(-1)
+        if self.temperature != 1:
+            l.div_(self.temperature)
+        _mask_top_k_top_p(l, self.top_k, self.top_p)
+        seeds, weyl = _row_seeds(keys, pos), _weyl(l.shape[1], l.device)
+        if self.fused:
+            race = _COMPILED.setdefault("race", torch.compile(_keyed_race, dynamic=True))
+            return race(l, seeds, weyl)
+        return _keyed_race(l, seeds, weyl, *self._scratch(l))
+
+    def _scratch(self, l):
+        """(b, V) views of per-call buffers: e, x, tmp, f (allocated once, at the first step's full batch)."""
+        if self._buffers is None or self._buffers[0].shape[0] < l.shape[0]:
+            shape, dev = l.shape, l.device
+            self._buffers = (torch.empty(shape, dtype=l.dtype, device=dev), torch.empty(shape, dtype=torch.int64,
+                             device=dev), torch.empty(shape, dtype=torch.int64, device=dev), torch.empty_like(l))
+        return tuple(buf[: l.shape[0]] for buf in self._buffers)
+
+    def records(self):
+        """(B, n) log-probs and entropies on the CPU."""
+        if not self.logprobs:
+            n = self.keys.shape[0]
+            return torch.zeros(n, 0), torch.zeros(n, 0)
+        return torch.stack(self.logprobs, 1).cpu(), torch.stack(self.entropy, 1).cpu()
+
+
+_GT_TOKENS = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its decoded text contains ">"}
+
+
+class TurnStopper(StoppingCriteria):
+    """Ends a row right after the first `</search>` / `</answer>` in the decoded text of its turn, at EOS, or at its
+    own token budget; keeps TurnStopper.length / .reason per row and tells the processor which rows still run.
+
+    Both stop strings end with ">", so a stop can only complete on a token whose text contains ">" (true for
+    byte-level BPE, sentencepiece byte fallback, word-level): only then is the row's turn decoded, in full, so tags
+    split across tokens are found exactly where the decoded text first contains them.
+    """
+
+    def __init__(self, tokenizer, start_len: int, budgets, eos_ids, processor=None):
+        self.tokenizer, self.start_len, self.budgets, self.processor = tokenizer, start_len, list(budgets), processor
+        self.eos_token_id = list(eos_ids)  # generate pads finished rows when a criterion has this attribute
+        self.length, self.reason = [None] * len(budgets), [None] * len(budgets)
+        self.live = list(range(len(budgets)))
+        self.done = None
+        try:
+            self.gt = _GT_TOKENS.setdefault(tokenizer, {})
+        except TypeError:  # tokenizer not weak-referenceable
+            self.gt = {}
+
+    def _has_gt(self, tok: int) -> bool:
+        if tok not in self.gt:  # ids past the tokenizer (padded embedding rows, e.g. Qwen2.5) have no text
+            self.gt[tok] = tok < len(self.tokenizer) and ">" in self.tokenizer.decode([tok], skip_special_tokens=False)
+        return self.gt[tok]
+
+    def _stops(self, row_ids) -> bool:
+        text = self.tokenizer.decode(row_ids[self.start_len:].tolist(), skip_special_tokens=False)
+        return any(s in text for s in STOP_STRINGS)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        n = input_ids.shape[1] - self.start_len  # tokens generated so far
+        last = input_ids[:, -1].tolist()
+        ended = []
+        for b in self.live:
+            if self._has_gt(last[b]) and self._stops(input_ids[b]):
+                self.reason[b] = "stop"
+            elif last[b] in self.eos_token_id:
+                self.reason[b] = "eos"
+            elif n >= self.budgets[b]:
+                self.reason[b] = "length"
+            else:
+                continue
+            self.length[b] = n
+            ended.append(b)
+        if self.done is None:
+            self.done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if ended:
+            self.done[ended] = True
+            self.live = [b for b in self.live if self.reason[b] is None]
+            if self.processor is not None:
+                self.processor.rows = torch.tensor(self.live, dtype=torch.long, device=input_ids.device)
+        return self.done.clone()
+
+
+# --- records ---
+@dataclass
+class Turn:
+    """One generation turn: ids[start:end] sampled (mask 1), ids[obs_start:obs_end] its observation (mask 0)."""
+    start: int
+    end: int
+    obs_start: int
+    obs_end: int
+    text: str               # decoded sampled text
+    action: str | None      # "search" | "answer" | None (invalid)
+    content: str            # stripped query / answer
+    doc_ids: tuple          # retrieved document ids, in rank order (empty unless a search was executed)
+    logprobs: list          # per sampled token, under the sampling distribution
+    entropy: list           # per sampled token, of softmax(masked logits / T)
+    key: int                # the turn key its noise was drawn with
+    stop: str               # "stop" | "eos" | "length"
+
+
+@dataclass
+class Episode:
+    """One episode (or a branch of one). Its noise keys are fully described by key, key_overrides and fresh_*."""
+    uid: int                # stable_id(question id)
+    line: int               # index inside the GRPO group
+    key: int                # episode_key(run_seed, step, uid, line)
+    question: str
+    golden_answers: list
+    prompt_ids: list
+    ids: list = field(default_factory=list)    # response: sampled + observation tokens, after the prompt
+    mask: list = field(default_factory=list)   # 1 sampled / 0 observation
+    turns: list = field(default_factory=list)
+    answer: str | None = None
+    reward: float = 0.0
+    done: bool = False
+    n_generated: int = 0    # tokens sampled by this record (a branch counts from its branch point)
+    key_overrides: dict = field(default_factory=dict)  # turn -> key (a twin's alternative turn)
+    fresh_seed: int | None = None  # uncoupled: turns >= fresh_from use turn_key(fresh_seed, turn)
+    fresh_from: int = 0
+    branch_turn: int | None = None  # the turn this record branched at (None: factual)
+
+    def key_for(self, turn: int) -> int:
+        if turn in self.key_overrides:
+            return self.key_overrides[turn]
+        if self.fresh_seed is not None and turn >= self.fresh_from:
+            return turn_key(self.fresh_seed, turn)
+        return turn_key(self.key, turn)
+
+
+@dataclass
+class Generation:
+    """A sampled turn before its action is executed."""
+    ids: list
+    logprobs: list
+    entropy: list
+    stop: str
+    key: int
+
+
+def _encode(tokenizer, text: str, chat: bool) -> list:
+    return tokenizer(text, add_special_tokens=not chat)["input_ids"]  # a chat template already holds any BOS
+
+
+def start_episodes(tokenizer, questions, run_seed: int, step: int, group_size: int = 1) -> list:
+    """G = group_size lines per question (dicts with id, question, golden_answers), keyed by (seed, step, uid, line)."""
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    episodes = []
+    for i, q in enumerate(questions):
+        missing = [k for k in ("id", "question", "golden_answers") if k not in q]
+        if missing:
+            raise ValueError(f"question {i}: missing field(s) {missing}")
+        uid, gold = stable_id(str(q["id"])), q["golden_answers"]
+        prompt = _encode(tokenizer, render_prompt(tokenizer, q["question"]), chat)
+        for line in range(group_size):
+            episodes.append(Episode(uid=uid, line=line, key=episode_key(run_seed, step, uid, line),
+                                    question=q["question"], golden_answers=[gold] if isinstance(gold, str) else
+                                    list(gold), prompt_ids=list(prompt)))
+    return episodes
+
+
+def _special_ids(model, tokenizer):
+    """(eos ids, pad id): EOS from the tokenizer and the model's generation config (Qwen2.5 chat: <|im_end|>)."""
+    eos = set()
+    for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        eos.update([src] if isinstance(src, int) else (src or []))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
+    return sorted(eos), pad
+
+
+@contextlib.contextmanager
+def _plain_generation_config(model):
+    """generate() fills every unset field from model.generation_config (Qwen2.5-Instruct sets repetition_penalty,
+    top_k, ...), and such processors would silently change the keyed draw: swap in a blank config meanwhile."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+def _generate_chunk(model, tokenizer, contexts, keys, budgets, proto) -> list:
+    """One left-padded generate call -> a Generation per row, its ids exactly as sampled."""
+    eos, pad = _special_ids(model, tokenizer)
+    n, width = len(contexts), max(map(len, contexts))
+    input_ids = torch.full((n, width), pad, dtype=torch.long)  # (B, L)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    for b, ctx in enumerate(contexts):
+        input_ids[b, width - len(ctx):] = torch.tensor(ctx, dtype=torch.long)
+        attention[b, width - len(ctx):] = 1
+    device = model.device
+    proc = KeyedGumbelProcessor(torch.tensor([_signed(k) for k in keys], device=device), width, proto.temperature,
+                                proto.top_k, proto.top_p, proto.fused_sampler)
+    stopper = TurnStopper(tokenizer, width, budgets, eos, proc)
+    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max(budgets), eos_token_id=eos or None,
+                              pad_token_id=pad, use_cache=True)
+    with _plain_generation_config(model), torch.no_grad():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                             generation_config=config, logits_processor=LogitsProcessorList([proc]),
+                             stopping_criteria=StoppingCriteriaList([stopper]))
+    new = out[:, width:].cpu()  # (B, n_steps)
+    logprobs, entropy = proc.records()
+    gens = []
+    for b in range(n):
+        k = stopper.length[b]
+        assert k is not None and k <= new.shape[1], f"row {b}: generation ended without a stop reason"
+        gens.append(Generation(new[b, :k].tolist(), logprobs[b, :k].tolist(), entropy[b, :k].tolist(),
+                               stopper.reason[b], keys[b]))
+    return gens
+
+
+def generate_turn(model, tokenizer, episodes, proto) -> list:
+    """Sample the next turn of every episode (none may be done), batched in chunks of gen_batch_size."""
+    order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].prompt_ids) + len(episodes[i].ids))
+    gens = [None] * len(episodes)
+    for c in range(0, len(order), proto.gen_batch_size):
+        chunk = order[c:c + proto.gen_batch_size]  # similar lengths together: less padding
+        eps = [episodes[i] for i in chunk]
+        contexts = [ep.prompt_ids + ep.ids for ep in eps]
+        budgets = [min(proto.max_new_tokens, proto.max_context - len(ctx)) for ctx in contexts]
+        assert min(budgets) > 0, "an episode without room for a token should have ended"
+        keys = [ep.key_for(len(ep.turns)) for ep in eps]
+        for i, g in zip(chunk, _generate_chunk(model, tokenizer, contexts, keys, budgets, proto)):
+            gens[i] = g
+    return gens
+
+
+def _format_docs(docs) -> str:
+    from retriever import format_docs  # lazy: the retriever module brings its encoder / FAISS dependencies
+    return format_docs(docs)
+
+
+def _add_turn(ep, gen, tokenizer) -> Turn:
+    """Append a sampled turn (mask 1) and parse its first action."""
+    text = tokenizer.decode(gen.ids, skip_special_tokens=False)
+    action, content = parse_action(text)
+    start = len(ep.ids)
+    turn = Turn(start, start + len(gen.ids), start + len(gen.ids), start + len(gen.ids), text, action, content, (),
+                gen.logprobs, gen.entropy, gen.key, gen.stop)
+    ep.ids += gen.ids  # DEVIATION: (4) an EOS ending the turn stays, as sampled (Search-R1's re-encode drops it)
+    ep.mask += [1] * len(gen.ids)
+    ep.n_generated += len(gen.ids)
+    ep.turns.append(turn)
+    return turn
+
+
+def _add_observation(ep, turn, tokenizer, text: str, proto):
+    """Observation tokens (mask 0), tokenised alone and cut to max_obs_tokens (Search-R1 max_obs_length)."""
+    room = proto.max_context - len(ep.prompt_ids) - len(ep.ids)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max(0, min(proto.max_obs_tokens, room))]
+    turn.obs_start, turn.obs_end = len(ep.ids), len(ep.ids) + len(ids)
+    ep.ids += ids
+    ep.mask += [0] * len(ids)
+
+
+def finish(ep, tokenizer):
+    """End the episode: reward = eval.reward of the decoded response (the training reward is the evaluation's)."""
+    response = tokenizer.decode(ep.ids, skip_special_tokens=False)
+    ep.answer, ep.reward, ep.done = qa_eval.extract_answer(response), qa_eval.reward(response, ep.golden_answers), True
+
+
+def execute_turn(tokenizer, retriever, episodes, gens, proto):
+    """Append each sampled turn and execute its action; searches of all episodes go to the retriever at once."""
+    searches = []
+    for ep, gen in zip(episodes, gens):
+        turn = _add_turn(ep, gen, tokenizer)
+        if turn.action == "answer" or len(ep.turns) > proto.max_turns:  # the final turn executes nothing
+            finish(ep, tokenizer)
+        elif turn.action == "search":
+            searches.append((ep, turn))
+        else:
+            _add_observation(ep, turn, tokenizer, INVALID_ACTION_MSG, proto)
+    if searches:
+        # DEVIATION: (2) an over-long query is cut to max_query_chars before retrieval.
+        docs = retriever.search([turn.content[:proto.max_query_chars] for _, turn in searches], topk=proto.topk)
+        for (ep, turn), hits in zip(searches, docs):
+            turn.doc_ids = tuple(str(d["id"]) for d in hits)
+            _add_observation(ep, turn, tokenizer, information_block(_format_docs(hits)), proto)
+    for ep in episodes:
+        if not ep.done and len(ep.prompt_ids) + len(ep.ids) >= proto.max_context:
+            finish(ep, tokenizer)  # DEVIATION: (3) the context is full: the episode ends, no left truncation
+
+
+def step_turn(model, tokenizer, retriever, episodes, proto):
+    """One turn for every episode not done: batched keyed generation, then the actions."""
+    live = [ep for ep in episodes if not ep.done]
+    for ep in live:
+        if proto.max_context - len(ep.prompt_ids) - len(ep.ids) <= 0:  # e.g. a prompt longer than max_context
+            finish(ep, tokenizer)
+    live = [ep for ep in live if not ep.done]
+    if live:
+        execute_turn(tokenizer, retriever, live, generate_turn(model, tokenizer, live, proto), proto)
+    return episodes
+
+
+def run_episodes(model, tokenizer, retriever, episodes, proto):
+    """Step all episodes until every one is done (at most max_turns + 1 turns each)."""
+    while any(not ep.done for ep in episodes):
+        step_turn(model, tokenizer, retriever, episodes, proto)
+    return episodes
+
+
+# --- twins and Monte Carlo continuations (DESIGN.md section 5) ---
+def branch(ep, turn: int, include_turn=False, key_overrides=None, fresh_seed=None) -> Episode:
+    """A new episode in state s_t (the factual prefix before `turn`), or after it with include_turn.
+
+    Keys: the parent's for the kept turns; key_overrides on top; with fresh_seed, every turn from the branch point on
+    (turn, or turn + 1 with include_turn) not overridden uses turn_key(fresh_seed, t).
+    """
+    if not 0 <= turn < len(ep.turns):
+        raise ValueError(f"branch: turn {turn} outside the episode's {len(ep.turns)} turns")
+    cut = ep.turns[turn].obs_end if include_turn else ep.turns[turn].start
+    start = turn + int(include_turn)
+    overrides = {t: k for t, k in ep.key_overrides.items() if t < start}
+    overrides.update(key_overrides or {})
+    new = Episode(uid=ep.uid, line=ep.line, key=ep.key, question=ep.question, golden_answers=ep.golden_answers,
+                  prompt_ids=ep.prompt_ids, ids=ep.ids[:cut], mask=ep.mask[:cut], turns=list(ep.turns[:start]),
+                  key_overrides=overrides, fresh_seed=ep.fresh_seed if fresh_seed is None else fresh_seed,
+                  fresh_from=ep.fresh_from if fresh_seed is None else start, branch_turn=turn)
+    if include_turn and start == len(ep.turns) and ep.done:  # the turn ended the episode: nothing left to sample
+        new.answer, new.reward, new.done = ep.answer, ep.reward, True
+    return new
+
+
+@dataclass
+class TwinResult:
+    request: int        # index into run_twins' requests
+    turn: int           # t
+    j: int              # alternative index
+    kind: str           # "self" | "same_evidence" | "rollout"
+    outcome: float      # U' (the factual U when not rolled out)
+    diff: float         # D_t = U - U'
+    tokens: int         # tokens generated: the alternative turn + the continuation
+    twin: Episode
+
+
+def _same_evidence(factual: Turn, alt: Turn) -> bool:
+    return factual.action == alt.action == "search" and bool(alt.doc_ids) and alt.doc_ids == factual.doc_ids
+
+
+def run_twins(model, tokenizer, retriever, requests, proto, coupling=True, same_evidence_shortcut=True) -> list:
+    """Twin of each (finished episode, turn t, j), all batched: y' ~ pi(. | s_t) with alt_key(key, t, j), then
+    the factual keys for every later (turn, pos) (coupling) or fresh ones. Self-twins (y' == y_t token for token)
+    and, with the shortcut, searches retrieving the same ids in the same order take D = 0 without a rollout.
+    """
+    twins = []
+    for i, (ep, t, j) in enumerate(requests):
+        if not ep.done:
+            raise ValueError(f"request {i}: twins branch from finished episodes")
+        fresh = None if coupling else fresh_key(ep.key, UNCOUPLED_TAG, t, j)
+        twins.append(branch(ep, t, key_overrides={t: alt_key(ep.key, t, j)}, fresh_seed=fresh))
+    gens = generate_turn(model, tokenizer, twins, proto) if twins else []
+    kinds, live = [], []
+    for (ep, t, _), twin, gen in zip(requests, twins, gens):
+        fact = ep.turns[t]
+        if gen.ids == ep.ids[fact.start:fact.end]:
+            _add_turn(twin, gen, tokenizer)
+            kinds.append("self")
+        else:
+            live.append((twin, gen))
+            kinds.append("rollout")
+    execute_turn(tokenizer, retriever, [tw for tw, _ in live], [g for _, g in live], proto)
+    for i, (ep, t, _) in enumerate(requests):
+        if kinds[i] == "rollout" and same_evidence_shortcut and _same_evidence(ep.turns[t], twins[i].turns[t]):
+            kinds[i] = "same_evidence"
+        if kinds[i] != "rollout":
+            twins[i].answer, twins[i].reward, twins[i].done = ep.answer, ep.reward, True
+    run_episodes(model, tokenizer, retriever, [tw for tw, kind in zip(twins, kinds) if kind == "rollout"], proto)
+    return [TwinResult(i, t, j, kind, tw.reward, ep.reward - tw.reward, tw.n_generated, tw)
+            for i, ((ep, t, j), kind, tw) in enumerate(zip(requests, kinds, twins))]
+
+
+def continue_from(model, tokenizer, retriever, requests, proto) -> list:
+    """Monte Carlo rollouts from turn boundaries: requests of (episode, turn, include_turn, seed), all batched.
+
+    include_turn=True: from just after turn t (a sample of Q(s_t, y_t)); False: from s_t (V(s_t)). The noise of
+    every sampled turn uses turn_key(seed, turn): e.g. seed = fresh_key(ep.key, MC_Q_TAG, t, k) for the k-th.
+    """
+    branches = [branch(ep, t, include_turn=inc, fresh_seed=seed) for ep, t, inc, seed in requests]
+    return run_episodes(model, tokenizer, retriever, branches, proto)
+
+
+def collate(episodes, pad_id: int) -> dict:
+    """Right-padded prompt + response: input_ids, attention_mask, loss_mask (1 on sampled tokens) (B, L) and
+    response_start (B,) (the prompt length, where response position 0 sits)."""
+    rows = [ep.prompt_ids + ep.ids for ep in episodes]
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, L)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, (ep, row) in enumerate(zip(episodes, rows)):
+        assert len(ep.mask) == len(ep.ids), f"episode {b}: mask and ids differ in length"
+        input_ids[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        attention_mask[b, :len(row)] = 1
+        loss_mask[b, len(ep.prompt_ids):len(row)] = torch.tensor(ep.mask, dtype=torch.long)
+    response_start = torch.tensor([len(ep.prompt_ids) for ep in episodes], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "response_start": response_start}
+
+
+# --- benchmark: keyed sampling against plain multinomial sampling, same model, batch and length ---
+def bench_overhead(vocab=32000, hidden=256, layers=4, batch=32, new_tokens=64, prompt_len=32, reps=5, fused=False,
+                   device=None) -> dict:
+    """Generation wall time of a random Qwen2 (no EOS: every row makes new_tokens tokens) with the keyed processor,
+    with do_sample=True multinomial sampling (T = 1, no top-k) and greedy; interleaved in one run so load changes hit
+    all three. Returns medians and the median per-repetition ratio keyed / plain."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                         tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).to(device).eval()
+    model.generation_config = GenerationConfig()
+    prompt = torch.randint(0, vocab, (batch, prompt_len), device=device)
+    keys = torch.tensor([_signed(turn_key(mix(0, b), 0)) for b in range(batch)], device=device)
+    common = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, pad_token_id=0)
+    runs = {"plain": lambda: model.generate(**common, do_sample=True, temperature=1.0, top_k=0, top_p=1.0),
+            "keyed": lambda: model.generate(**common, do_sample=False, logits_processor=LogitsProcessorList(
+                [KeyedGumbelProcessor(keys, prompt_len, fused=fused)])),
+            "greedy": lambda: model.generate(**common, do_sample=False)}  # what the model alone costs
+
+    def timed(name):
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = runs[name]()
+        sync()
+        assert out.shape[1] == prompt_len + new_tokens, "unequal lengths: the comparison would be unfair"
+        return time.perf_counter() - t0
+
+    for name in runs:
+        timed(name)  # warm-up (and compilation when fused)
+    times = {name: [] for name in runs}
+    for r in range(reps):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            times[name].append(timed(name))
+    ratio = [k / p for k, p in zip(times["keyed"], times["plain"])]
+    return {"vocab": vocab, "hidden": hidden, "layers": layers, "params": sum(p.numel() for p in model.parameters()),
+            "batch": batch, "new_tokens": new_tokens, "device": str(device), "fused": fused,
+            **{f"{name}_s": statistics.median(t) for name, t in times.items()}, "ratio": statistics.median(ratio),
+            "ratios": [round(x, 3) for x in ratio],
+            "vs_greedy": statistics.median(k / g for k, g in zip(times["keyed"], times["greedy"]))}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="python rollout.py bench: keyed vs multinomial generation time")
+    parser.add_argument("cmd", choices=["bench"])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--fused", action="store_true", help="torch.compile the keyed sampler")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for size in (dict(vocab=2048, hidden=64, layers=2, batch=80), dict(vocab=32000, hidden=256, layers=4, batch=32)):
+        r = bench_overhead(**size, reps=args.reps, fused=args.fused, device=args.device)
+        print(f"vocab {r['vocab']} | hidden {r['hidden']} x {r['layers']} | {r['params'] / 1e6:.1f}M params | batch "
+              f"{r['batch']} x {r['new_tokens']} tokens | {r['device']} fused={r['fused']} threads "
+              f"{torch.get_num_threads()} | plain {r['plain_s']:.3f}s keyed {r['keyed_s']:.3f}s greedy "
+              f"{r['greedy_s']:.3f}s | keyed/plain {r['ratio']:.3f} {r['ratios']} | keyed/greedy {r['vs_greedy']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
