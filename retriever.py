@@ -258,6 +258,7 @@ def build_index(corpus: str, encoder: str, out: str, batch_size: int = 256, max_
         raise ValueError(f"{corpus}: the corpus has no rows")
     prefixes = (enc.query_prefix, enc.passage_prefix)
     meta = _make_meta(encoder, prefixes, max_length, enc.dim, corpus, len(offsets), INDEX_FILE)
+    meta["corpus_relative"] = os.path.relpath(os.path.abspath(corpus), os.path.abspath(out))  # survives a moved folder
     _write_index_dir(out, meta, np.frombuffer(offsets, np.int64), index)
     return meta
 
@@ -287,7 +288,9 @@ def load_index_dir(index_dir: str, corpus=None) -> tuple:
     with open(meta_path) as f:
         meta = json.load(f)
     index_path = os.path.join(index_dir, meta["index_file"])  # an absolute index_file (prebuilt) stays as is
-    corpus = corpus or meta["corpus"]
+    if not corpus:  # the recorded absolute path, else the path relative to the index (a moved world folder)
+        rel = os.path.join(index_dir, meta["corpus_relative"]) if meta.get("corpus_relative") else None
+        corpus = rel if not os.path.exists(meta["corpus"]) and rel and os.path.exists(rel) else meta["corpus"]
     for path, what in ((index_path, f"index file named in {meta_path}"), (corpus, "corpus")):
         if not os.path.exists(path):
             raise FileNotFoundError(f"{what} {path} not found (pass corpus=/--corpus if the corpus moved)")

@@ -17,3 +17,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory):
+    """The built-in tiny world at test scale (same files and formats as `make world`), built once per session."""
+    import data
+    out = tmp_path_factory.mktemp("tinyworld") / "world"
+    data.build_tinyworld(str(out), seed=0, scale="test")
+    return str(out)

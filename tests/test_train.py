@@ -1,0 +1,134 @@
+"""train_twice.py: config parsing, one-step smoke run, exact resume, GRPO switch, 2-process CPU run, loud failures."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import credit
+import rollout
+import train_twice as tt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--prompts_per_step=4", "--group_size=3", "--max_new_tokens=24", "--max_obs_tokens=200", "--max_turns=2",
+        "--max_context=768", "--lr=1e-4", "--micro_batch_size=6", "--eval_size=6", "--gen_batch_size=32"]
+
+
+def tiny_cfg(world, out, *extra) -> tt.Config:
+    return tt.parse_config([f"--world={world}", f"--out_dir={out}", *TINY, *extra])
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_config_presets_overrides_and_errors(tmp_path):
+    preset = tmp_path / "p.cfg"
+    preset.write_text("# a preset\nomega = 0.5   # weight\nmodel = \"Qwen/Qwen2.5-3B\"\ncoupling = false\n")
+    cfg = tt.parse_config([str(preset), "--steps=7", "--omega=2"])
+    assert (cfg.omega, cfg.model, cfg.coupling, cfg.steps) == (2.0, "Qwen/Qwen2.5-3B", False, 7)
+    assert cfg.index == os.path.join("data/tinyworld", "index")  # blanks filled from the world
+    with pytest.raises(ValueError, match="unknown config key 'omgea'.*valid keys: world"):
+        tt.parse_config(["--omgea=1"])
+    with pytest.raises(ValueError, match="steps: expected int"):
+        tt.parse_config(["--steps=ten"])
+    with pytest.raises(ValueError, match="coupling: expected a boolean"):
+        tt.parse_config(["--coupling=maybe"])
+    bad = tmp_path / "bad.cfg"
+    bad.write_text("steps 3\n")
+    with pytest.raises(ValueError, match=r"bad.cfg:1: expected `key = value`"):
+        tt.parse_config([str(bad)])
+    with pytest.raises(ValueError, match="budget_rule='cubic'"):
+        tt.parse_config(["--budget_rule=cubic"])
+
+
+def test_prompts_for_step_is_a_pure_function_of_step():
+    rows = [{"id": str(i)} for i in range(10)]
+    cfg = tt.Config(prompts_per_step=4, seed=3)
+    seen = [r["id"] for s in range(5) for r in tt.prompts_for_step(rows, cfg, s, 0, 1)]
+    assert sorted(seen[:8] + seen[8:10]) == sorted(str(i) for i in range(10))  # epoch 0 covers every row once
+    assert tt.prompts_for_step(rows, cfg, 3, 0, 1) == tt.prompts_for_step(rows, cfg, 3, 0, 1)
+    shards = [tt.prompts_for_step(rows, cfg, 2, r, 2) for r in range(2)]
+    assert sorted(x["id"] for s in shards for x in s) == sorted(x["id"] for x in tt.prompts_for_step(rows, cfg, 2, 0, 1))
+
+
+def test_token_advantages_land_on_sampled_tokens():
+    """The advantage row fed to the loss is aligned with the loss mask: A_traj + omega A_hat / sigma on turn t."""
+    ep = rollout.Episode(uid=1, line=0, key=5, question="q", golden_answers=["a"], prompt_ids=[7, 7, 7])
+    ep.ids, ep.mask = [1, 2, 3, 4, 5, 6], [1, 1, 0, 0, 1, 1]
+    ep.turns = [rollout.Turn(0, 2, 2, 4, "", "search", "x", (), [], [], 0, "stop"),
+                rollout.Turn(4, 6, 6, 6, "", "answer", "a", (), [], [], 0, "stop")]
+    batch = rollout.collate([ep], pad_id=0)
+    spans = [[(3 + t.start, 3 + t.end) for t in ep.turns]]
+    adv = credit.token_advantages([0.5], [np.array([0.0, 2.0])], spans, batch["input_ids"].shape[1], 1.0, 4.0)
+    assert np.array_equal(adv[0] != 0, batch["loss_mask"][0].numpy() == 1)
+    assert adv[0].tolist() == [0, 0, 0, 0.5, 0.5, 0, 0, 1.0, 1.0]
+
+
+def test_smoke_run_logs_checkpoints_and_plots(tiny_world, tmp_path):
+    out = str(tmp_path / "run")
+    final = tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=1"))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
+    for key in ("reward", "kl", "clip_frac", "entropy", "twins", "self_twins", "shortcuts", "discordance",
+                "twin_token_ratio", "predictor_acc", "time", "eval_em"):
+        assert key in rows[0], key
+    assert rows[0]["twins"] > 0 and rows[0]["factual_tokens"] > 0
+    ckpt = os.path.join(out, "step_000002")
+    assert sorted(os.listdir(ckpt)) == ["policy", "run.json", "trainer"]
+    run = json.load(open(os.path.join(ckpt, "run.json")))
+    assert run["step"] == 2 and run["config"]["omega"] == 1.0 and "transformers" in run
+    assert os.path.exists(os.path.join(out, "learning_curve.png"))
+    assert 0.0 <= final["eval_em"] <= 1.0
+
+
+def test_grpo_switch_launches_no_twins(tiny_world, tmp_path):
+    out = str(tmp_path / "grpo")
+    tt.main(tiny_cfg(tiny_world, out, "--steps=1", "--eval_every=0", "--omega=0"))
+    row = read_metrics(out)[0]
+    assert "twins" not in row and row["reward"] >= 0
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_world, tmp_path):
+    """2N steps in one go == N steps, resume from the checkpoint, N more: identical metrics (times aside)."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    tt.main(tiny_cfg(tiny_world, a, "--steps=4", "--eval_every=0"))
+    tt.main(tiny_cfg(tiny_world, b, "--steps=2", "--eval_every=0"))
+    tt.main(tiny_cfg(tiny_world, b, "--steps=4", "--eval_every=0", f"--resume={b}/step_000002"))
+    strip = [{k: v for k, v in r.items() if not k.startswith("time")} for r in read_metrics(a)]
+    got = [{k: v for k, v in r.items() if not k.startswith("time")} for r in read_metrics(b)]
+    body = lambda rows: [r for r in rows if not r.get("final")]  # noqa: E731
+    assert body(got) == body(strip)
+    assert len(body(got)) == 4
+
+
+def test_resume_refuses_a_changed_config(tiny_world, tmp_path):
+    out = str(tmp_path / "c")
+    tt.main(tiny_cfg(tiny_world, out, "--steps=1", "--eval_every=0", "--omega=0"))
+    with pytest.raises(ValueError, match="config differs.*omega"):
+        tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=0", f"--resume={out}/step_000001"))
+
+
+def test_nonfinite_loss_fails_loudly():
+    cfg = tt.Config()
+    lp = torch.tensor([[0.0, float("nan")]])
+    loss, _, _ = tt.ppo_loss(cfg, lp, torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    assert not torch.isfinite(loss.sum())  # ppo_update turns this into FloatingPointError (checked every micro-batch)
+
+
+def test_two_cpu_processes_stay_in_sync(tiny_world, tmp_path):
+    """accelerate launch --multi_gpu --num_processes 2 on CPU (gloo): it completes and both ranks hold the same
+    weights after every step (weights_spread is max - min of a float64 checksum over ranks)."""
+    out = str(tmp_path / "ddp")
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           os.path.join(ROOT, "train_twice.py"), f"--world={tiny_world}", f"--out_dir={out}", *TINY,
+           "--steps=2", "--eval_every=0"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in read_metrics(out) if not r.get("final")]
+    assert len(rows) == 2 and all(r["weights_spread"] == 0.0 for r in rows)
