@@ -8,7 +8,7 @@ SEED    ?= 0
 export HF_HUB_OFFLINE ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test test-slow world index
+.PHONY: install test test-slow world index demo demo-compare audit eval
 
 install: $(VENV)/.installed
 
@@ -33,3 +33,141 @@ $(WORLD)/world.json:
 # Rebuild only the tiny world's dense index (e.g. after editing the corpus).
 index: install
 	$(PY) retriever.py build --corpus $(WORLD)/corpus.jsonl --encoder minilm --out $(WORLD)/index
+
+# The main job on the built-in default: build the tiny world if missing, train TWICE from the warm-start policy, with a
+# greedy evaluation of the test split before (step 0), every 5 steps and after; prints the before/after table and the
+# twin statistics; writes runs/demo/twice/{metrics.jsonl,learning_curve.png,step_*}.
+demo: install $(WORLD)/world.json
+	$(PY) train_twice.py configs/demo.cfg --world=$(WORLD) --seed=$(SEED)
+
+# GRPO (omega = 0) vs TWICE on the tiny world, same seeds and settings, at a learning rate where credit matters;
+# prints EM curves (mean +- sd over SEEDS), training reward, token cost and twin statistics.
+SEEDS ?= 0 1 2
+COMPARE ?= runs/demo-compare
+demo-compare: install $(WORLD)/world.json
+	for s in $(SEEDS); do for o in 0 1; do \
+	  $(PY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(WORLD) --seed=$$s --omega=$$o \
+	    --out_dir=$(COMPARE)/omega$$o-seed$$s || exit 1; done; done
+	$(PY) train_twice.py compare $(COMPARE)/omega*-seed*
+
+# Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages.
+audit: install $(WORLD)/world.json
+	$(PY) audit.py --world $(WORLD) --out runs/audit
+
+# Greedy exact match of a policy: make eval MODEL=runs/demo/twice/step_000030/policy
+MODEL ?= $(WORLD)/policy
+eval: install $(WORLD)/world.json
+	$(PY) eval.py --model $(MODEL) --data $(WORLD)/test.jsonl --index $(WORLD)/index --out runs/eval/results.json
+
+# --- paper-scale reproduction ---
+# make reproduce-3b / reproduce-7b (DESIGN.md section 10; README "Paper-scale reproduction"), on one node of 8 GPUs:
+#   1 data (data.py searchr1) -> 2 models (hf download) -> 3 retriever server (retriever.py serve, shared by all ranks)
+#   -> 4 GRPO run and 5 TWICE run (accelerate launch train_twice.py, same preset, --omega=0 for GRPO)
+#   -> 6 greedy EM of both final policies on the seven test sets (eval.py, one test set per GPU) -> 7 the table
+#   runs/qwen2.5-3b-report.md (eval.py report), next to the paper's averages. The server is stopped at the end.
+# Every step resumes: finished steps are skipped (their output or DONE stamp exists), downloads continue where they
+# stopped, a training run restarts from its last checkpoint. `make reproduce-3b DRY_RUN=1` prints every step's command
+# with its estimated time and disk, and runs nothing. Estimates are derived, not measured (README explains them).
+SR1     ?= data/searchr1
+RUNS    ?= runs
+PORT    ?= 8000
+NGPU    ?= 8
+ACCEL   := $(VENV)/bin/accelerate
+URL      = http://127.0.0.1:$(PORT)/retrieve
+HEALTH   = $(PY) -c "import requests; requests.get('http://127.0.0.1:$(PORT)/health', timeout=5).raise_for_status()"
+TESTS   := nq triviaqa popqa hotpotqa 2wikimultihopqa musique bamboogle
+RUN      = $(RUNS)/qwen2.5-$(SIZE)
+HF_MODEL_3b := Qwen/Qwen2.5-3B
+HF_MODEL_7b := Qwen/Qwen2.5-7B
+ACCEL_CFG_3b := configs/accelerate_ddp.yaml
+ACCEL_CFG_7b := configs/accelerate_zero2.yaml
+EST_data     := ~70 GB download (e5_Flat.index 64.6 GB, wiki-18.jsonl.gz ~4-5 GB, QA sets 0.1 GB): ~15 min at \
+                100 MB/s, + ~30 min of checks (sha256, gunzip, join, corpus scan); ~80 GB kept, ~115-150 GB peak
+EST_models_3b := Qwen2.5-3B 6.2 GB + e5-base-v2 0.4 GB into the HF cache, minutes
+EST_models_7b := Qwen2.5-7B 15.2 GB + e5-base-v2 0.4 GB into the HF cache, minutes
+EST_server   := 64.6 GB of vectors sharded over the GPUs (~8 GB each) + E5 on one GPU: loads in ~5-10 min
+EST_grpo_3b  := ~40-60 h on 8 x H100 (~350-500 GPU-h); checkpoints 5 x ~50 GB = ~250 GB
+EST_twice_3b := ~60-85 h on 8 x H100 (~500-700 GPU-h); checkpoints 5 x ~50 GB = ~250 GB
+EST_grpo_7b  := ~100-135 h on 8 x H100 (~800-1100 GPU-h); checkpoints 5 x ~120 GB = ~600 GB
+EST_twice_7b := ~150-185 h on 8 x H100 (~1200-1500 GPU-h); checkpoints 5 x ~120 GB = ~600 GB
+EST_eval_3b  := 51,713 questions, one test set per GPU (PopQA's 14,267 set the pace): ~1-2 h, ~0.3 GB of records
+EST_eval_7b  := 51,713 questions, one test set per GPU (PopQA's 14,267 set the pace): ~3-5 h, ~0.3 GB of records
+
+.PHONY: reproduce-3b reproduce-7b reproduce install-gpu reproduce-models retriever-up retriever-down
+ifneq ($(filter reproduce reproduce-models,$(MAKECMDGOALS)),)
+ifeq ($(filter 3b 7b,$(SIZE)),)
+$(error SIZE must be 3b or 7b: run `make reproduce-3b` or `make reproduce-7b`)
+endif
+endif
+
+reproduce-3b reproduce-7b:
+	@$(MAKE) --no-print-directory $(if $(filter 1 yes true,$(DRY_RUN)),-n -B) reproduce SIZE=$(subst reproduce-,,$@)
+
+reproduce: install $(if $(filter 7b,$(SIZE)),install-gpu) $(SR1)/manifest.json reproduce-models
+	$(MAKE) --no-print-directory retriever-up
+	$(MAKE) --no-print-directory $(RUN)-report.md || { $(MAKE) --no-print-directory retriever-down; exit 1; }
+	$(MAKE) --no-print-directory retriever-down
+	@echo "== done: $(RUN)-report.md (GRPO vs TWICE per test set and average, next to the paper's averages)"
+
+# DeepSpeed for the 7B run (requirements-gpu.txt)
+install-gpu: $(VENV)/.installed-gpu
+
+$(VENV)/.installed-gpu: requirements-gpu.txt $(VENV)/.installed
+	$(PY) -m pip install -r requirements-gpu.txt
+	touch $@
+
+$(SR1)/manifest.json:
+	$(info == step 1/7 data: $(EST_data))
+	$(PY) data.py searchr1 --out $(SR1)
+
+reproduce-models:
+	$(info == step 2/7 models: $(EST_models_$(SIZE)))
+	$(VENV)/bin/hf download $(HF_MODEL_$(SIZE))
+	$(VENV)/bin/hf download intfloat/e5-base-v2
+
+# The server is started in the background unless one already answers on PORT; its pid file marks it as ours to stop.
+retriever-up:
+	$(info == step 3/7 retriever server on port $(PORT): $(EST_server))
+	mkdir -p $(RUNS)
+	if ! $(HEALTH) 2>/dev/null; then \
+	  nohup $(PY) retriever.py serve --index $(SR1)/index --host 127.0.0.1 --port $(PORT) --fp16 \
+	    > $(RUNS)/retriever.log 2>&1 & echo $$! > $(RUNS)/retriever.pid; fi
+	for i in $$(seq 360); do $(HEALTH) 2>/dev/null && exit 0; \
+	  if [ -f $(RUNS)/retriever.pid ] && ! kill -0 $$(cat $(RUNS)/retriever.pid) 2>/dev/null; then \
+	    rm -f $(RUNS)/retriever.pid; echo "retriever exited: see $(RUNS)/retriever.log"; exit 1; fi; sleep 5; done; \
+	  echo "retriever not up after 30 min: see $(RUNS)/retriever.log"; exit 1
+
+retriever-down:
+	if [ -f $(RUNS)/retriever.pid ]; then kill $$(cat $(RUNS)/retriever.pid) 2>/dev/null; rm -f $(RUNS)/retriever.pid; fi
+
+# One training run: $(1) = run folder, $(2) = extra flags. Continues from the run's last checkpoint if there is one.
+define train_run
+	$(ACCEL) launch --config_file $(ACCEL_CFG_$(SIZE)) train_twice.py configs/qwen2.5-$(SIZE).cfg --out_dir=$(1) \
+	  --retriever_url=$(URL) $(2) $$(ls -d $(1)/step_?????? 2>/dev/null | tail -n 1 | sed 's/^/--resume=/')
+	touch $(1)/DONE
+endef
+
+$(RUN)-grpo/DONE:
+	$(info == step 4/7 GRPO run (--omega=0) $(RUN)-grpo: $(EST_grpo_$(SIZE)))
+	$(call train_run,$(RUN)-grpo,--omega=0)
+
+$(RUN)-twice/DONE:
+	$(info == step 5/7 TWICE run $(RUN)-twice: $(EST_twice_$(SIZE)))
+	$(call train_run,$(RUN)-twice,)
+
+# Greedy EM of a run's final policy: one eval.py per test set, spread over the GPUs; a finished set is kept.
+$(RUN)-%/eval/DONE: $(RUN)-%/DONE
+	$(info == step 6/7 evaluation of $(RUN)-$*: $(EST_eval_$(SIZE)))
+	mkdir -p $(@D)
+	policy=$$(ls -d $(RUN)-$*/step_?????? | tail -n 1)/policy; pids=; gpu=0; \
+	for t in $(TESTS); do \
+	  [ -f $(@D)/$$t.json ] && continue; \
+	  CUDA_VISIBLE_DEVICES=$$gpu $(PY) eval.py --model $$policy --data $(SR1)/test/$$t.jsonl --retriever_url $(URL) \
+	    --out $(@D)/$$t.json > $(@D)/$$t.log 2>&1 & pids="$$pids $$!"; gpu=$$(( (gpu + 1) % $(NGPU) )); \
+	done; \
+	for p in $$pids; do wait $$p || { echo "evaluation failed: see $(@D)/*.log"; exit 1; }; done
+	touch $@
+
+$(RUN)-report.md: $(RUN)-grpo/DONE $(RUN)-twice/DONE $(RUN)-grpo/eval/DONE $(RUN)-twice/eval/DONE
+	$(info == step 7/7 report: $@)
+	$(PY) eval.py report --paper $(SIZE) --out $@ GRPO=$(RUN)-grpo/eval TWICE=$(RUN)-twice/eval

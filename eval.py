@@ -5,6 +5,8 @@ drift apart. Reward (DESIGN.md section 3): exact match after SQuAD normalisation
 episode's response (everything after the prompt) against any gold answer; 1.0 or 0.0. This equals Search-R1's
 `qa_em.compute_score_em`, which searches the whole sequence and skips the prompt's `<answer> Beijing </answer>`
 example by requiring two matches.
+
+`python eval.py report GRPO=DIR TWICE=DIR --paper 3b` turns result files into the paper's table (make reproduce-3b).
 """
 import json
 import os
@@ -194,5 +196,89 @@ def main(argv=None):
     return per_source
 
 
+# --- the paper-scale results table (`make reproduce-3b`): `python eval.py report METHOD=PATH ...` ---
+
+# Search-R1's column order and names
+TEST_SETS = {"nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA", "2wikimultihopqa": "2wiki",
+             "musique": "Musique", "bamboogle": "Bamboogle"}
+# arXiv 2610.31544: average EM (%) over the seven sets; its per-set figures are not available to us
+PAPER_AVG_EM = {"3b": {"GRPO": 37.4, "TWICE": 42.7}, "7b": {"GRPO": 42.0, "TWICE": 46.5}}
+
+
+def _result_files(path: str) -> list:
+    if os.path.isdir(path):
+        return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".json"))
+    return [path]
+
+
+def report_table(results_jsons: dict, paper: dict = None) -> str:
+    """Markdown table in the paper's layout: one row per method, EM (%) per test set and the unweighted average
+    over the sets (Search-R1's "Avg."), then TWICE - GRPO style differences of the first two methods and the paper's
+    averages. results_jsons: {method: [eval.py --out files, or folders of them]}; paper: {method: average EM (%)}."""
+    per = {}
+    for method, paths in results_jsons.items():
+        per[method] = {}
+        for path in (f for p in paths for f in _result_files(p)):
+            with open(path, encoding="utf-8") as f:
+                result = json.load(f)
+            if "per_source" not in result:
+                raise ValueError(f"{path}: not an `eval.py --out` file (no field 'per_source')")
+            for source, v in result["per_source"].items():
+                if source in per[method]:
+                    raise ValueError(f"{path}: {source} is scored twice for {method}")
+                per[method][source] = (v["n"], 100 * v["em"])
+        if not per[method]:
+            raise ValueError(f"{method}: no results in {paths}")
+    seen = {s for scores in per.values() for s in scores}
+    cols = [s for s in TEST_SETS if s in seen] + sorted(seen - set(TEST_SETS))
+    lines = ["| method | " + " | ".join(TEST_SETS.get(s, s) for s in cols) + " | Avg. |",
+             "|---|" + "---:|" * (len(cols) + 1)]
+    avgs = {}
+    for method, scores in per.items():
+        avgs[method] = sum(em for _, em in scores.values()) / len(scores)
+        partial = "" if len(scores) == len(cols) else f" ({len(scores)}/{len(cols)} sets)"
+        cells = [f"{scores[s][1]:.1f}" if s in scores else "-" for s in cols]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | **{avgs[method]:.1f}**{partial} |")
+    if len(per) >= 2:
+        (a, sa), (b, sb) = list(per.items())[:2]
+        cells = [f"{sb[s][1] - sa[s][1]:+.1f}" if s in sa and s in sb else "-" for s in cols]
+        lines.append(f"| {b} - {a} | " + " | ".join(cells) + f" | {avgs[b] - avgs[a]:+.1f} |")
+    for method, avg in (paper or {}).items():
+        lines.append(f"| {method} (paper) | " + " | ".join("-" for _ in cols) + f" | {avg:.1f} |")
+    counts = {s: n for scores in per.values() for s, (n, _) in scores.items()}
+    lines.append("| questions | " + " | ".join(str(counts[s]) for s in cols) + " | |")
+    return "\n".join(lines)
+
+
+def report_main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(description="GRPO vs TWICE table from eval.py --out files (the paper's layout).")
+    ap.add_argument("results", nargs="+", help="METHOD=PATH[,PATH...]: result files or folders of them")
+    ap.add_argument("--paper", choices=sorted(PAPER_AVG_EM) + ["none"], default="none", help="add the paper's rows")
+    ap.add_argument("--out", default="", help="write the markdown here as well")
+    args = ap.parse_args(argv)
+    runs = {}
+    for item in args.results:
+        method, sep, paths = item.partition("=")
+        if not sep or not paths:
+            ap.error(f"expected METHOD=PATH, got {item!r}")
+        runs[method] = paths.split(",")
+    paper = PAPER_AVG_EM.get(args.paper, {})
+    text = (f"# Exact match (%) on the seven test sets{f' (Qwen2.5-{args.paper.upper()})' if paper else ''}\n\n"
+            f"{report_table(runs, paper)}\n\nGreedy decoding, one sample per question, exact match after SQuAD "
+            "normalisation; Avg. is the unweighted mean over the test sets. Paper rows: arXiv 2610.31544, average "
+            "only (its per-set figures are not available here).\n")
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    return text
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    if sys.argv[1:2] == ["report"]:
+        report_main(sys.argv[2:])
+    else:
+        main()

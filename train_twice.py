@@ -353,10 +353,11 @@ def train_step(cfg, accel, policy, ref, tok, retriever, opt, predictor, scale, r
     update = ppo_update(cfg, accel, policy, opt, batch, adv, old_lp, ref_lp, n_micro, step)
     mask = batch["loss_mask"][:, 1:].float()
     local = torch.tensor([rewards.sum(), len(rewards), float((ent * mask).sum()), float(mask.sum()),
-                          sum(len(ep.turns) for ep in episodes)], dtype=torch.float64, device=accel.device)
-    r_sum, n_ep, ent_sum, n_tok, n_turns = accel.reduce(local, "sum").tolist()
+                          sum(len(ep.turns) for ep in episodes), sum(ep.n_generated for ep in episodes)],
+                         dtype=torch.float64, device=accel.device)
+    r_sum, n_ep, ent_sum, n_tok, n_turns, n_gen = accel.reduce(local, "sum").tolist()
     metrics = {"step": step, "reward": r_sum / n_ep, "entropy": ent_sum / max(n_tok, 1), "turns": n_turns / n_ep,
-               "lr": lr, "sigma": scale.value, **update}
+               "factual_tokens": int(n_gen), "lr": lr, "sigma": scale.value, **update}
     metrics.update(reduce_stats(accel, stats))
     now = time.time()
     metrics.update({"time_rollout": times["time_rollout"] - times["time_start"],
@@ -485,6 +486,61 @@ def plot_curve(out_dir: str):
     plt.close(fig)
 
 
+def run_summary(out_dir: str) -> str:
+    """Markdown: greedy EM per source before training (the step-0 eval) and after (the final one), and the run's
+    twin statistics summed over steps. Printed at the end of every run and by `make demo`."""
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    first = next((r for r in rows if "eval_em" in r and not r.get("final")), {})
+    last = next((r for r in reversed(rows) if r.get("final")), {})
+    keys = sorted(k for k in last if k.startswith("eval_em/")) + ["eval_em"]
+    lines = ["| eval (greedy EM) | step 0 | final |", "|---|---:|---:|"]
+    lines += [f"| {k.split('/')[-1] if '/' in k else 'average'} | {first.get(k, float('nan')):.3f} | "
+              f"{last.get(k, float('nan')):.3f} |" for k in keys]
+    steps = [r for r in rows if "final" not in r]
+    tot = {k: sum(r.get(k, 0) for r in steps) for k in ("decisions", "twins", "self_twins", "shortcuts",
+                                                         "twin_rollouts", "twin_tokens", "factual_tokens")}
+    twins = max(tot["twins"], 1)
+    lines += ["", f"{len(steps)} steps: {tot['decisions']} decisions, {tot['twins']} twins drawn "
+              f"(self-twins {tot['self_twins'] / twins:.1%}, same-evidence shortcuts {tot['shortcuts'] / twins:.1%}, "
+              f"{tot['twin_rollouts']} rolled out); generated tokens: factual {tot['factual_tokens']}, twins "
+              f"{tot['twin_tokens']}, total / factual {1 + tot['twin_tokens'] / max(tot['factual_tokens'], 1):.2f}x"]
+    return "\n".join(lines)
+
+
+def compare_runs(run_dirs) -> str:
+    """Markdown comparison of finished runs grouped by method (GRPO: omega = 0; TWICE; independent: coupling off),
+    mean +- sd over the seeds of each group: greedy eval EM at every eval step, mean sampled training reward, and
+    generated tokens (factual + twin) relative to GRPO's. `python train_twice.py compare DIR...`."""
+    groups = {}
+    for d in run_dirs:
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        name = "GRPO" if cfg["omega"] == 0 else "TWICE" if cfg["coupling"] else "independent"
+        groups.setdefault(name, []).append([json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))])
+    def ms(xs):
+        return f"{np.mean(xs):.3f} +- {np.std(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    evals = sorted({r["step"] for runs in groups.values() for rows in runs for r in rows if "eval_em" in r})
+    head = ["method", "seeds"] + [f"EM@{s}" for s in evals] + ["train reward", "tokens / GRPO", "twins / step",
+                                                                "self-twins", "shortcuts"]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    tokens = {}
+    for name, runs in groups.items():
+        tokens[name] = np.mean([sum(r.get("factual_tokens", 0) + r.get("twin_tokens", 0) for r in rows)
+                                for rows in runs])
+    for name in sorted(groups, key=["GRPO", "independent", "TWICE"].index):
+        runs = groups[name]
+        steps = [[r for r in rows if "final" not in r] for rows in runs]
+        em = [ms([next(r["eval_em"] for r in rows if r["step"] == s and "eval_em" in r) for rows in runs])
+              for s in evals]
+        twins = sum(r.get("twins", 0) for rows in steps for r in rows)
+        cells = [name, str(len(runs)), *em, ms([np.mean([r["reward"] for r in rows]) for rows in steps]),
+                 f"{tokens[name] / tokens['GRPO']:.2f}x" if "GRPO" in tokens else "-",
+                 f"{twins / max(1, sum(len(x) for x in steps)):.1f}",
+                 f"{sum(r.get('self_twins', 0) for rows in steps for r in rows) / max(twins, 1):.1%}",
+                 f"{sum(r.get('shortcuts', 0) for rows in steps for r in rows) / max(twins, 1):.1%}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def _truncate_metrics(path: str, start: int):
     """On resume, rows of steps >= start (logged after the checkpoint) move to metrics.jsonl.orphaned: the file then
     holds exactly one row per step, and nothing is lost."""
@@ -565,9 +621,13 @@ def main(cfg: Config):
             f.write(json.dumps({**final, "final": True}) + "\n")
         plot_curve(cfg.out_dir)
         print(f"final | eval_em {final.get('eval_em', float('nan')):.3f} | checkpoint {path}", flush=True)
+        print(run_summary(cfg.out_dir), flush=True)
     accel.end_training()
     return final
 
 
 if __name__ == "__main__":
-    main(parse_config(sys.argv[1:]))
+    if sys.argv[1:2] == ["compare"]:
+        print(compare_runs(sys.argv[2:]))
+    else:
+        main(parse_config(sys.argv[1:]))
