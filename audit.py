@@ -364,7 +364,7 @@ def oracle_summary(orc, thr) -> dict:
     flip = np.array([0.5 * math.erfc(abs(x) / max(s, 1e-12) / math.sqrt(2)) for x, s in zip(a, se)])
     return {"decisions": len(a), "above_threshold": int(big.sum()), "threshold": thr, "mean_se": float(se.mean()),
             "sign_noise_floor": float(flip[big].mean()) if big.any() else math.nan,
-            "reliability": float(1 - np.mean(se ** 2) / a.var()) if a.var() > 0 else math.nan}
+            "reliability": float(1 - np.mean(se ** 2) / a.var()) if a.var() > 0 else math.nan, "var_a": float(a.var())}
 
 
 def vine_tokens_at(metrics, vines, corr):
@@ -439,6 +439,9 @@ def report(res: dict) -> str:
         f"{sc['bias']:+.4f} +- {sc['bias_se']:.4f} (SE over decisions).",
         f"- Oracle: mean SE of A* {o['mean_se']:.3f}; expected share of thresholded decisions whose A* has the wrong "
         f"sign itself {fmt(o['sign_noise_floor'], '%')}; reliability 1 - mean SE^2 / Var(A*) {fmt(o['reliability'])}.",
+        "- Correlation ceiling of one unbiased estimate with variance v: sqrt(Var(A*) / (Var(A*) + v)), Var(A*) = "
+        f"{o['var_a']:.3f}: " + ", ".join(f"{n} {fmt(math.sqrt(o['var_a'] / (o['var_a'] + m[n]['var'])))}" for n in
+                                          ("TWICE", "independent", "VinePPO K=1") if n in m) + ".",
         f"- Budgeted TWICE: sqrt rule, twin_budget {cfg['twin_budget']}, mean q {res['budget_q_mean']:.2f}, "
         "discordance cross-fitted on the other half of the episodes.", "",
         "Targets: " + ", ".join(f"{k} {'MET' if v else 'NOT met'}" for k, v in res["targets"].items()), ""])
