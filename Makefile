@@ -41,12 +41,13 @@ demo: install $(WORLD)/world.json
 	$(PY) train_twice.py configs/demo.cfg --world=$(WORLD) --seed=$(SEED)
 
 # GRPO (omega = 0) vs TWICE on the tiny world, same seeds and settings, at a learning rate where credit matters;
-# prints EM curves (mean +- sd over SEEDS), training reward, token cost and twin statistics.
+# prints EM curves (mean +- sd over SEEDS), training reward, token cost and twin statistics. One thread per run: the
+# numbers are then identical on every rerun (with two, some CPU kernels reduce in a varying order).
 SEEDS ?= 0 1 2
 COMPARE ?= runs/demo-compare
 demo-compare: install $(WORLD)/world.json
 	for s in $(SEEDS); do for o in 0 1; do \
-	  $(PY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(WORLD) --seed=$$s --omega=$$o \
+	  OMP_NUM_THREADS=1 $(PY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(WORLD) --seed=$$s --omega=$$o \
 	    --out_dir=$(COMPARE)/omega$$o-seed$$s || exit 1; done; done
 	$(PY) train_twice.py compare $(COMPARE)/omega*-seed*
 
