@@ -409,6 +409,12 @@ def table(metrics: dict) -> list:
         for name, r in metrics.items()]
 
 
+def ceiling(var_a, var) -> float:
+    """The highest Pearson correlation with A* that an unbiased estimate with within-decision variance `var` can have
+    (oracle noise ignored): sqrt(Var(A*) / (Var(A*) + var))."""
+    return math.sqrt(var_a / (var_a + var)) if var_a + var > 0 and math.isfinite(var_a + var) else math.nan
+
+
 def report(res: dict) -> str:
     """audit.md: the estimator table, the paper's figures next to ours, coupling, shortcut, oracle, targets."""
     m, cfg, o, cp, sc = res["metrics"], res["config"], res["oracle"], res["coupling"], res["shortcut"]
@@ -440,7 +446,7 @@ def report(res: dict) -> str:
         f"- Oracle: mean SE of A* {o['mean_se']:.3f}; expected share of thresholded decisions whose A* has the wrong "
         f"sign itself {fmt(o['sign_noise_floor'], '%')}; reliability 1 - mean SE^2 / Var(A*) {fmt(o['reliability'])}.",
         "- Correlation ceiling of one unbiased estimate with variance v: sqrt(Var(A*) / (Var(A*) + v)), Var(A*) = "
-        f"{o['var_a']:.3f}: " + ", ".join(f"{n} {fmt(math.sqrt(o['var_a'] / (o['var_a'] + m[n]['var'])))}" for n in
+        f"{o['var_a']:.3f}: " + ", ".join(f"{n} {fmt(ceiling(o['var_a'], m[n]['var']))}" for n in
                                           ("TWICE", "independent", "VinePPO K=1") if n in m) + ".",
         f"- Budgeted TWICE: sqrt rule, twin_budget {cfg['twin_budget']}, mean q {res['budget_q_mean']:.2f}, "
         "discordance cross-fitted on the other half of the episodes.", "",
