@@ -538,7 +538,26 @@ def compare_runs(run_dirs) -> str:
                  f"{sum(r.get('self_twins', 0) for rows in steps for r in rows) / max(twins, 1):.1%}",
                  f"{sum(r.get('shortcuts', 0) for rows in steps for r in rows) / max(twins, 1):.1%}"]
         out.append("| " + " | ".join(cells) + " |")
+    plot_compare(groups, evals, os.path.join(os.path.dirname(os.path.abspath(run_dirs[0])), "compare.png"))
     return "\n".join(out)
+
+
+def plot_compare(groups: dict, evals: list, path: str):
+    """compare.png next to the runs: greedy eval EM against the step, mean +- sd over seeds, one line per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, runs in sorted(groups.items()):
+        em = np.array([[next(r["eval_em"] for r in rows if r["step"] == s and "eval_em" in r) for s in evals]
+                       for rows in runs])  # (seeds, evals)
+        ax.plot(evals, em.mean(0), marker="o", label=f"{name} ({len(runs)} seeds)")
+        ax.fill_between(evals, em.mean(0) - em.std(0), em.mean(0) + em.std(0), alpha=0.2)
+    ax.set(xlabel="step", ylabel="greedy EM (test)", title="GRPO vs TWICE, same seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def _truncate_metrics(path: str, start: int):

@@ -132,3 +132,22 @@ def test_two_cpu_processes_stay_in_sync(tiny_world, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in read_metrics(out) if not r.get("final")]
     assert len(rows) == 2 and all(r["weights_spread"] == 0.0 for r in rows)
+
+
+def test_compare_runs_table_and_plot(tmp_path):
+    """Two fake seeds per method: the table's means, token ratio and twin rates, computed by hand."""
+    def run(name, omega, ems, tokens, twins=0, self_twins=0):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"omega": omega, "coupling": True}))
+        rows = [{"step": 0, "reward": 0.5, "eval_em": 0.5, "factual_tokens": tokens, "twin_tokens": tokens * omega,
+                 "twins": twins, "self_twins": self_twins, "shortcuts": 0},
+                {"step": 2, "eval_em": ems, "final": True}]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        return str(d)
+    dirs = [run("g0", 0, 0.6, 100), run("g1", 0, 0.8, 100), run("t0", 0.5, 0.9, 100, 4, 1), run("t1", 0.5, 0.7, 100, 4, 3)]
+    table = tt.compare_runs(dirs).splitlines()
+    assert table[0].startswith("| method | seeds | EM@0 | EM@2 |")
+    assert table[2] == "| GRPO | 2 | 0.500 +- 0.000 | 0.700 +- 0.100 | 0.500 +- 0.000 | 1.00x | 0.0 | 0.0% | 0.0% |"
+    assert table[3] == "| TWICE | 2 | 0.500 +- 0.000 | 0.800 +- 0.100 | 0.500 +- 0.000 | 1.50x | 4.0 | 50.0% | 0.0% |"
+    assert (tmp_path / "compare.png").stat().st_size > 1000
