@@ -283,7 +283,8 @@ def build_tokenizer(world, questions):
     texts += [user_message(q["question"]) for q in questions]
     texts += [information_block(docs_text([r, r, r])) for r in corpus_rows(world)]
     p = next(iter(world["people"]))
-    texts += [turn_text(t, p, "search", p) for t in (*NEED.values(), "Wrong person.", "Let me search again.", "I guess {}.")]
+    thoughts = (*NEED.values(), "Wrong person.", "Let me search again.", "I guess {}.")
+    texts += [turn_text(t, p, "search", p) for t in thoughts]
     texts += [f"{n} {n}" for n in entity_names(world)]  # both the spaced and the bare (title) form of every name
     bpe = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix=""))
     bpe.normalizer = normalizers.NFC()  # the pipeline of Qwen2Tokenizer.__init__, so training and loading agree
@@ -470,7 +471,8 @@ def bc_loss(model, prefix, ids, mask, attn, emb=None):
 def make_batches(encoded, batch, rng):
     """Fixed-order batches of similar lengths (less padding); order drawn from `rng`."""
     order = rng.permutation(len(encoded))
-    chunks = [sorted(order[i:i + 16 * batch], key=lambda k: len(encoded[k][0])) for i in range(0, len(order), 16 * batch)]
+    span = 16 * batch
+    chunks = [sorted(order[i:i + span], key=lambda k: len(encoded[k][0])) for i in range(0, len(order), span)]
     batches = [c[i:i + batch] for c in chunks for i in range(0, len(c), batch)]
     return [batches[i] for i in rng.permutation(len(batches))]
 
@@ -805,8 +807,7 @@ def _write_qa(rows: list, dest: str, src: str) -> int:
             raise ValueError(f"{src}: row {i}: duplicate id {r['id']!r}")
         seen.add(r["id"])
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-    with open(dest + ".partial", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    write_jsonl(dest + ".partial", rows)
     try:
         qa_eval.load_qa(dest + ".partial")
     except ValueError as e:
@@ -835,20 +836,14 @@ def convert_train(src: str, dest: str) -> int:
 
 def convert_flashrag(src: str, name: str, dest: str) -> int:
     """A FlashRAG {split}.jsonl (id, question, golden_answers, metadata) -> QA jsonl with data_source = name."""
+    from eval import read_jsonl
     rows = []
-    with open(src, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{src}:{lineno}: malformed JSON ({e.msg})") from None
-            missing = [k for k in ("id", "question", "golden_answers") if k not in r]
-            if missing:
-                raise ValueError(f"{src}:{lineno}: missing field(s) {missing}")
-            rows.append({"id": f"{name}_{r['id']}", "question": r["question"],
-                         "golden_answers": _as_list(r["golden_answers"]), "data_source": name})
+    for lineno, r in read_jsonl(src):
+        missing = [k for k in ("id", "question", "golden_answers") if k not in r]
+        if missing:
+            raise ValueError(f"{src}:{lineno}: missing field(s) {missing}")
+        rows.append({"id": f"{name}_{r['id']}", "question": r["question"],
+                     "golden_answers": _as_list(r["golden_answers"]), "data_source": name})
     return _write_qa(rows, dest, src)
 
 

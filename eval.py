@@ -65,6 +65,18 @@ def _check_row(row, where: str) -> dict:
             "data_source": str(row["data_source"])}
 
 
+def read_jsonl(path: str):
+    """Yield (line number, parsed object) of a jsonl file, skipping blank lines; a malformed line names file:line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+
+
 def load_qa(path: str) -> list:
     """Load QA rows (`id`, `question`, `golden_answers`, `data_source`) from a .jsonl or .parquet file.
 
@@ -78,15 +90,7 @@ def load_qa(path: str) -> list:
         for i, row in enumerate(pd.read_parquet(path).to_dict("records")):
             rows.append(_check_row(row, f"{path}: row {i}"))
     else:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-                rows.append(_check_row(row, f"{path}:{lineno}"))
+        rows = [_check_row(row, f"{path}:{lineno}") for lineno, row in read_jsonl(path)]
     if not rows:
         raise ValueError(f"{path}: no QA rows")
     return rows

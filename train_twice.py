@@ -251,7 +251,7 @@ def twin_step(cfg, accel, step, episodes, policy, tok, retriever, predictor, sca
              "shortcuts": kinds.count("same_evidence"), "twin_rollouts": kinds.count("rollout"),
              "discordant": sum(res.diff != 0 for res in results), "twin_tokens": sum(r.tokens for r in results),
              "q_mean": float(budget.q.mean()) if len(idx) else 0.0, "budget_over": int(budget.over),
-             "predictor_acc": acc, "factual_tokens": factual_tokens}
+             "predictor_acc": acc}
     return turn_credit, stats
 
 
@@ -358,7 +358,7 @@ def train_step(cfg, accel, policy, ref, tok, retriever, opt, predictor, scale, r
     r_sum, n_ep, ent_sum, n_tok, n_turns, n_gen = accel.reduce(local, "sum").tolist()
     metrics = {"step": step, "reward": r_sum / n_ep, "entropy": ent_sum / max(n_tok, 1), "turns": n_turns / n_ep,
                "factual_tokens": int(n_gen), "lr": lr, "sigma": scale.value, **update}
-    metrics.update(reduce_stats(accel, stats))
+    metrics.update(reduce_stats(accel, stats, metrics["factual_tokens"]))
     now = time.time()
     metrics.update({"time_rollout": times["time_rollout"] - times["time_start"],
                     "time_twins": times["time_twins"] - times["time_rollout"],
@@ -366,17 +366,16 @@ def train_step(cfg, accel, policy, ref, tok, retriever, opt, predictor, scale, r
     return metrics
 
 
-def reduce_stats(accel, stats: dict) -> dict:
-    """Sum the twin counters over ranks and derive the rates that are logged."""
+def reduce_stats(accel, stats: dict, factual_tokens: int) -> dict:
+    """Sum the twin counters over ranks and derive the rates that are logged (factual_tokens: already summed)."""
     if not stats:
         return {}
-    keys = ["decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant", "twin_tokens",
-            "factual_tokens"]
+    keys = ["decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant", "twin_tokens"]
     total = dict(zip(keys, accel.reduce(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64,
                                                      device=accel.device), "sum").tolist()))
     out = {k: int(v) for k, v in total.items()}
     out.update({"discordance": total["discordant"] / max(total["twins"], 1),
-                "twin_token_ratio": total["twin_tokens"] / max(total["factual_tokens"], 1),
+                "twin_token_ratio": total["twin_tokens"] / max(factual_tokens, 1),
                 "predictor_acc": stats["predictor_acc"], "q_mean": stats["q_mean"]})
     return out
 
@@ -507,6 +506,12 @@ def run_summary(out_dir: str) -> str:
     return "\n".join(lines)
 
 
+def eval_curves(runs: list, evals: list) -> np.ndarray:
+    """(seeds, evals) greedy eval EM of each run's metrics rows at each eval step."""
+    return np.array([[next(r["eval_em"] for r in rows if r["step"] == s and "eval_em" in r) for s in evals]
+                     for rows in runs])
+
+
 def compare_runs(run_dirs) -> str:
     """Markdown comparison of finished runs grouped by method (GRPO: omega = 0; TWICE; independent: coupling off),
     mean +- sd over the seeds of each group: greedy eval EM at every eval step, mean sampled training reward, and
@@ -529,8 +534,7 @@ def compare_runs(run_dirs) -> str:
     for name in sorted(groups, key=["GRPO", "independent", "TWICE"].index):
         runs = groups[name]
         steps = [[r for r in rows if "final" not in r] for rows in runs]
-        em = [ms([next(r["eval_em"] for r in rows if r["step"] == s and "eval_em" in r) for rows in runs])
-              for s in evals]
+        em = [ms(col) for col in eval_curves(runs, evals).T]
         twins = sum(r.get("twins", 0) for rows in steps for r in rows)
         cells = [name, str(len(runs)), *em, ms([np.mean([r["reward"] for r in rows]) for rows in steps]),
                  f"{tokens[name] / tokens['GRPO']:.2f}x" if "GRPO" in tokens else "-",
@@ -549,8 +553,7 @@ def plot_compare(groups: dict, evals: list, path: str):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, runs in sorted(groups.items()):
-        em = np.array([[next(r["eval_em"] for r in rows if r["step"] == s and "eval_em" in r) for s in evals]
-                       for rows in runs])  # (seeds, evals)
+        em = eval_curves(runs, evals)  # (seeds, evals)
         ax.plot(evals, em.mean(0), marker="o", label=f"{name} ({len(runs)} seeds)")
         ax.fill_between(evals, em.mean(0) - em.std(0), em.mean(0) + em.std(0), alpha=0.2)
     ax.set(xlabel="step", ylabel="greedy EM (test)", title="GRPO vs TWICE, same seeds")

@@ -123,7 +123,7 @@ def test_world_is_deterministic_in_the_seed():
 
 
 def test_rebuild_is_bit_for_bit_identical(world_dir, tmp_path):
-    """The same seed rebuilds the same world: data files, index vectors and the behaviour-cloned weights, byte for byte."""
+    """The same seed rebuilds the same world: data files, index vectors and behaviour-cloned weights, byte for byte."""
     again = str(tmp_path / "again")
     data.build_tinyworld(again, seed=SEED, scale="test")
     for rel in ("corpus.jsonl", "train.jsonl", "test.jsonl", "index/index.faiss", "policy/model.safetensors",

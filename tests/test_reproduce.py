@@ -243,7 +243,7 @@ class _LocalHub(BaseHTTPRequestHandler):
         self._send(200, json.dumps(entries).encode())
 
     def log_message(self, *args):
-        pass
+        """Silence the per-request log lines of BaseHTTPRequestHandler."""
 
 
 def test_hub_code_downloads_resumes_and_verifies_over_http(hub, tmp_path, monkeypatch):

@@ -52,7 +52,8 @@ def test_prompts_for_step_is_a_pure_function_of_step():
     assert sorted(seen[:8] + seen[8:10]) == sorted(str(i) for i in range(10))  # epoch 0 covers every row once
     assert tt.prompts_for_step(rows, cfg, 3, 0, 1) == tt.prompts_for_step(rows, cfg, 3, 0, 1)
     shards = [tt.prompts_for_step(rows, cfg, 2, r, 2) for r in range(2)]
-    assert sorted(x["id"] for s in shards for x in s) == sorted(x["id"] for x in tt.prompts_for_step(rows, cfg, 2, 0, 1))
+    whole = tt.prompts_for_step(rows, cfg, 2, 0, 1)
+    assert sorted(x["id"] for s in shards for x in s) == sorted(x["id"] for x in whole)
 
 
 def test_token_advantages_land_on_sampled_tokens():
@@ -145,7 +146,8 @@ def test_compare_runs_table_and_plot(tmp_path):
                 {"step": 2, "eval_em": ems, "final": True}]
         (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         return str(d)
-    dirs = [run("g0", 0, 0.6, 100), run("g1", 0, 0.8, 100), run("t0", 0.5, 0.9, 100, 4, 1), run("t1", 0.5, 0.7, 100, 4, 3)]
+    dirs = [run("g0", 0, 0.6, 100), run("g1", 0, 0.8, 100),
+            run("t0", 0.5, 0.9, 100, 4, 1), run("t1", 0.5, 0.7, 100, 4, 3)]
     table = tt.compare_runs(dirs).splitlines()
     assert table[0].startswith("| method | seeds | EM@0 | EM@2 |")
     assert table[2] == "| GRPO | 2 | 0.500 +- 0.000 | 0.700 +- 0.100 | 0.500 +- 0.000 | 1.00x | 0.0 | 0.0% | 0.0% |"
