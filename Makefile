@@ -28,7 +28,7 @@ test-slow: install
 world: install $(WORLD)/world.json
 
 $(WORLD)/world.json:
-	$(PY) data.py tinyworld --out $(WORLD) --seed $(SEED)
+	$(PY) tinyworld.py --out $(WORLD) --seed $(SEED)
 
 # Rebuild only the tiny world's dense index (e.g. after editing the corpus).
 index: install

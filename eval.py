@@ -77,6 +77,13 @@ def read_jsonl(path: str):
                 raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
 
 
+def write_jsonl(path: str, rows):
+    """One JSON object per line, UTF-8, non-ASCII kept as is (the format every QA and corpus file of the project uses)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
 def load_qa(path: str) -> list:
     """Load QA rows (`id`, `question`, `golden_answers`, `data_source`) from a .jsonl or .parquet file.
 

@@ -55,7 +55,7 @@ BRANCH_TAG = 0x6272616E  # "bran": keyed uniforms of the branch draws, independe
 @dataclass
 class Config:
     # --- io ---
-    world: str = "data/tinyworld"   # built-in tiny world (data.py tinyworld); fills model/train_data/eval_data/index
+    world: str = "data/tinyworld"   # built-in tiny world (tinyworld.py); fills model/train_data/eval_data/index
     model: str = ""                 # initial policy and reference: HF hub id or folder ("" -> {world}/policy)
     train_data: str = ""            # QA .jsonl/.parquet (id, question, golden_answers, data_source)
     eval_data: str = ""             # comma-separated QA files for periodic greedy evaluation
