@@ -49,7 +49,7 @@ demo-compare: install $(WORLD)/world.json
 	for s in $(SEEDS); do for o in 0 1; do \
 	  OMP_NUM_THREADS=1 $(PY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(WORLD) --seed=$$s --omega=$$o \
 	    --out_dir=$(COMPARE)/omega$$o-seed$$s || exit 1; done; done
-	$(PY) train_twice.py compare $(COMPARE)/omega*-seed*
+	$(PY) report.py compare $(COMPARE)/omega*-seed*
 
 # Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages.
 audit: install $(WORLD)/world.json
@@ -65,7 +65,7 @@ eval: install $(WORLD)/world.json
 #   1 data (data.py searchr1) -> 2 models (hf download) -> 3 retriever server (retriever.py serve, shared by all ranks)
 #   -> 4 GRPO run and 5 TWICE run (accelerate launch train_twice.py, same preset, --omega=0 for GRPO)
 #   -> 6 greedy EM of both final policies on the seven test sets (eval.py, one test set per GPU) -> 7 the table
-#   runs/qwen2.5-3b-report.md (eval.py report), next to the paper's averages. The server is stopped at the end.
+#   runs/qwen2.5-3b-report.md (report.py paper), next to the paper's averages. The server is stopped at the end.
 # Every step resumes: finished steps are skipped (their output or DONE stamp exists), downloads continue where they
 # stopped, a training run restarts from its last checkpoint. `make reproduce-3b DRY_RUN=1` prints every step's command
 # with its estimated time and disk, and runs nothing. Estimates are derived, not measured (README explains them).
@@ -171,4 +171,4 @@ $(RUN)-%/eval/DONE: $(RUN)-%/DONE
 
 $(RUN)-report.md: $(RUN)-grpo/DONE $(RUN)-twice/DONE $(RUN)-grpo/eval/DONE $(RUN)-twice/eval/DONE
 	$(info == step 7/7 report: $@)
-	$(PY) eval.py report --paper $(SIZE) --out $@ GRPO=$(RUN)-grpo/eval TWICE=$(RUN)-twice/eval
+	$(PY) report.py paper --paper $(SIZE) --out $@ GRPO=$(RUN)-grpo/eval TWICE=$(RUN)-twice/eval

@@ -44,82 +44,89 @@ Launch (CPU; --threads 1 because a second thread made these tiny models ~10x slo
       --index data/tinyworld/index --decisions 40 --oracle_rollouts 16 --repeats 4   # a checkpoint, a few minutes
 Tests: `python -m pytest -q tests/test_audit.py`.
 """
-import argparse
 import dataclasses
 import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+import config
 import credit
 import eval as qa_eval
 import rollout
 import train_twice
 
-ORDER_TAG, REROLL_TAG, GROUP_TAG, VINE_TAG, BRANCH_TAG = 0x6F7264, 0x72726F6C, 0x67727030, 0x76696E65, 0x62726E63
+ORDER_TAG, REROLL_TAG, GROUP_TAG, VINE_TAG = 0x6F7264, 0x72726F6C, 0x67727030, 0x76696E65
 TRAIN = train_twice.Config()  # the trainer's defaults: the audit measures credit as training computes it
-
-
-def _f(default, doc):
-    return field(default=default, metadata={"help": doc})
 
 
 @dataclass
 class Config:
-    world: str = _f("data/tinyworld", "tiny world folder; fills blank model / data / index")
-    model: str = _f("", "policy: HF folder or hub id ('' -> {world}/policy)")
-    data: str = _f("", "QA .jsonl/.parquet of the audited questions ('' -> {world}/train.jsonl, deviation 5)")
-    index: str = _f("", "retriever index folder ('' -> {world}/index unless --retriever_url)")
-    retriever_url: str = _f("", "Search-R1-style HTTP retriever; replaces --index")
-    out: str = _f("runs/audit", "audit.json, audit.md, audit_scatter.png go here")
-    seed: int = _f(0, "seed of every key and of the question order")
-    decisions: int = _f(150, "N, decisions audited (whole episodes: n >= N)")
-    oracle_rollouts: int = _f(64, "M, rollouts per side of the oracle A* = Q - V")
-    repeats: int = _f(8, "R, independent repeats of every estimator")
-    vine_k: str = _f("1,2,4,8", "VinePPO rollouts per turn boundary, comma-separated")
-    threshold: float = _f(0.2, "wrong-sign rate counts decisions with |A*| above this")
-    group_size: int = _f(TRAIN.group_size, "G, GRPO group: the factual line + G-1 fresh lines")
-    twin_budget: float = _f(TRAIN.twin_budget, "budgeted TWICE: expected twin tokens / factual tokens")
-    q_min: float = _f(TRAIN.q_min, "budgeted TWICE: floor of the branch probability")
-    max_turns: int = _f(TRAIN.max_turns, "protocol: searches per episode, then one final turn")
-    topk: int = _f(TRAIN.topk, "protocol: documents per search")
-    max_new_tokens: int = _f(TRAIN.max_new_tokens, "protocol: tokens per turn")
-    max_obs_tokens: int = _f(TRAIN.max_obs_tokens, "protocol: tokens per observation")
-    max_context: int = _f(TRAIN.max_context, "protocol: prompt + response tokens")
-    temperature: float = _f(TRAIN.temperature, "protocol: sampling temperature T")
-    gen_batch_size: int = _f(256, "rows per generate call")
-    chunk: int = _f(2048, "requests per batched rollout call (one progress-bar step)")
-    threads: int = _f(1, "torch CPU threads (0: torch's default)")
-    progress: bool = _f(True, "progress bars")
+    """Credit audit of a policy against Monte Carlo oracle advantages (DESIGN.md section 8)."""
+    world: str = "data/tinyworld"   # world folder; fills blank model / data / index
+    model: str = ""                 # policy: HF folder or hub id ('' -> {world}/policy)
+    data: str = ""                  # QA .jsonl/.parquet of the audited questions ('' -> {world}/train.jsonl, A5)
+    index: str = ""                 # retriever index folder ('' -> {world}/index unless retriever_url)
+    retriever_url: str = ""         # Search-R1-style HTTP retriever; replaces index
+    out: str = "runs/audit"         # audit.json, audit.md, audit_scatter.png go here
+    seed: int = 0                   # seed of every key and of the question order
+    decisions: int = 150            # N, decisions audited (whole episodes: n >= N)
+    oracle_rollouts: int = 64       # M, rollouts per side of the oracle A* = Q - V
+    repeats: int = 8                # R, independent repeats of every estimator
+    vine_k: str = "1,2,4,8"         # VinePPO rollouts per turn boundary, comma-separated
+    threshold: float = 0.2          # wrong-sign rate counts decisions with |A*| above this
+    group_size: int = TRAIN.group_size  # G, GRPO group: the factual line + G-1 fresh lines
+    twin_budget: float = TRAIN.twin_budget  # budgeted TWICE: expected twin tokens / factual tokens
+    q_min: float = TRAIN.q_min      # budgeted TWICE: floor of the branch probability
+    max_turns: int = TRAIN.max_turns  # protocol: searches per episode, then one final turn
+    topk: int = TRAIN.topk          # protocol: documents per search
+    max_new_tokens: int = TRAIN.max_new_tokens  # protocol: tokens per turn
+    max_obs_tokens: int = TRAIN.max_obs_tokens  # protocol: tokens per observation
+    max_context: int = TRAIN.max_context  # protocol: prompt + response tokens
+    temperature: float = TRAIN.temperature  # protocol: sampling temperature T
+    gen_batch_size: int = 256       # rows per generate call
+    chunk: int = 2048               # requests per batched rollout call (one progress-bar step)
+    threads: int = 1                # torch CPU threads (0: torch's default)
+    progress: bool = True           # progress bars
+
+    def resolve(self):
+        self.model = self.model or os.path.join(self.world, "policy")
+        self.data = self.data or os.path.join(self.world, "train.jsonl")  # DEVIATION A5: what training credits
+        self.index = self.index or ("" if self.retriever_url else os.path.join(self.world, "index"))
+
+    def checks(self):
+        return [("oracle_rollouts", self.oracle_rollouts >= 2, ">= 2"), ("repeats", self.repeats >= 2, ">= 2"),
+                ("group_size", self.group_size >= 2, ">= 2"), ("decisions", self.decisions >= 1, ">= 1"),
+                ("vine_k", _valid_ks(self.vine_k), "comma-separated integers >= 1"),
+                ("threshold", self.threshold >= 0, ">= 0"), ("twin_budget", self.twin_budget >= 0, ">= 0"),
+                ("q_min", 0 < self.q_min <= 1, "in (0, 1]"), ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+                ("temperature", self.temperature > 0, "> 0"), ("gen_batch_size", self.gen_batch_size >= 1, ">= 1"),
+                ("chunk", self.chunk >= 1, ">= 1"), ("threads", self.threads >= 0, ">= 0")]
+
+
+def _valid_ks(text: str) -> bool:
+    try:
+        return bool(vine_ks_of(text)) and min(vine_ks_of(text)) >= 1
+    except ValueError:
+        return False
 
 
 def parse_args(argv=None) -> Config:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f in dataclasses.fields(Config):
-        kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type is bool else f.type
-        ap.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
-    cfg = Config(**vars(ap.parse_args(argv)))
-    cfg.model = cfg.model or os.path.join(cfg.world, "policy")
-    cfg.data = cfg.data or os.path.join(cfg.world, "train.jsonl")  # DEVIATION: (5) what training credits
-    cfg.index = cfg.index or ("" if cfg.retriever_url else os.path.join(cfg.world, "index"))
-    if cfg.oracle_rollouts < 2 or cfg.repeats < 2 or cfg.group_size < 2 or cfg.decisions < 1 or not vine_ks(cfg):
-        raise ValueError("need --oracle_rollouts, --repeats, --group_size >= 2, --decisions >= 1, a --vine_k")
-    return cfg
+    """Config from `--key=value` / `--key value` options (config.py)."""
+    return config.parse(Config, [] if argv is None else argv, "audit.py", presets=False)
+
+
+def vine_ks_of(text: str) -> list:
+    return sorted({int(k) for k in str(text).split(",") if k.strip()})
 
 
 def vine_ks(cfg) -> list:
-    return sorted({int(k) for k in str(cfg.vine_k).split(",") if k.strip()})
-
-
-def protocol(cfg: Config) -> rollout.Protocol:
-    return rollout.Protocol(max_turns=cfg.max_turns, topk=cfg.topk, max_new_tokens=cfg.max_new_tokens,
-                            max_obs_tokens=cfg.max_obs_tokens, max_context=cfg.max_context,
-                            temperature=cfg.temperature, gen_batch_size=cfg.gen_batch_size)
+    return vine_ks_of(cfg.vine_k)
 
 
 def batched(fn, items, cfg, desc) -> list:
@@ -220,7 +227,7 @@ def vine_values(model, tok, retr, episodes, decisions, cfg, proto, kmax) -> np.n
 
 def rollouts(model, tok, retr, rows, cfg) -> dict:
     """Every rollout of the audit, each phase timed."""
-    proto, t = protocol(cfg), time.time()
+    proto, t = rollout.protocol_from(cfg), time.time()
     chosen, episodes, decisions = collect(model, tok, retr, rows, cfg, proto)
     raw = {"chosen": chosen, "episodes": episodes, "decisions": decisions, "times": {"collect_s": time.time() - t}}
     steps = [("oracle", lambda: oracle(model, tok, retr, episodes, decisions, cfg, proto)),
@@ -278,23 +285,24 @@ def crossfit_discordance(X, discordant, folds) -> np.ndarray:
 
 def horvitz_thompson(d, p, c, budget, q_min, seed):
     """(N, R) A_hat = 1[u < q] D / q, q and the branch mask, with q = solve_budget(p[:, r], c[:, r], budget) per
-    repeat and u = mix(seed, BRANCH_TAG, r, n) / 2^64 keyed uniforms (as train_twice.twin_step, a batch a repeat)."""
+    repeat and u = rollout.branch_uniform(seed, r, n) keyed uniforms (as the trainer's step 3, a batch a repeat)."""
     est, q, branched = np.zeros(d.shape), np.zeros(d.shape), np.zeros(d.shape, dtype=bool)
     for r in range(d.shape[1]):
         q[:, r] = credit.solve_budget(p[:, r], c[:, r], budget, q_min, "sqrt").q
-        u = np.array([rollout.mix(seed, BRANCH_TAG, r, n) / 2.0 ** 64 for n in range(d.shape[0])])
+        u = np.array([rollout.branch_uniform(seed, r, n) for n in range(d.shape[0])])
         branched[:, r] = credit.branch_mask(q[:, r], u)
         est[:, r] = credit.ht_credit(d[:, r:r + 1], branched[:, r], q[:, r])
     return est, q, branched
 
 
 def budgeted(raw, u, d, tokens, cfg) -> dict:
-    """Budgeted TWICE: the trainer's features and twin costs (train_twice.decision_table on F_r at its turn t),
+    """Budgeted TWICE: the trainer's features and twin costs (rollout.decision_table on F_r at its turn t),
     cross-fitted discordance (2 folds by episode), the sqrt rule and Horvitz-Thompson, repeat by repeat."""
     decisions, facts, (N, R) = raw["decisions"], raw["facts"], u.shape
     group = np.concatenate([u[..., None], raw["lines"][[i for i, _ in decisions], :, :, 0]], axis=2)  # (N, R, G)
-    idx, X, c = train_twice.decision_table(facts, group.mean(2).ravel())
-    where = {pair: m for m, pair in enumerate(idx)}
+    table = rollout.decision_table(facts, group.mean(2).ravel())
+    X, c = table.features, table.cost
+    where = {pair: m for m, pair in enumerate(table.index)}
     rows = [where[n * R + r, t] for n, (_, t) in enumerate(decisions) for r in range(R)]  # F_r's decision turn
     p = crossfit_discordance(X[rows].reshape(N, R, -1), d != 0, np.array([i % 2 for i, _ in decisions]))
     factual = sum(ep.n_generated for ep in raw["episodes"])
@@ -533,4 +541,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(config.cli(Config, prog="audit.py", presets=False))

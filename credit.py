@@ -161,25 +161,25 @@ def ht_credit(diffs, branched, q) -> np.ndarray:
     return a
 
 
-def turn_advantages(a_traj, turn_credit, omega, sigma) -> list:
+def turn_advantages(a_traj, a_hat, omega, sigma) -> list:
     """Per-turn advantage A_{i,t} = A_traj_i + omega * A_hat_{i,t} / sigma (DESIGN 5, token advantage)."""
     if not sigma > 0:
         raise ValueError(f"sigma must be > 0, got {sigma}")
-    return [a + omega * _np(credit).reshape(-1) / sigma for a, credit in zip(_np(a_traj).reshape(-1), turn_credit)]
+    return [a + omega * _np(h).reshape(-1) / sigma for a, h in zip(_np(a_traj).reshape(-1), a_hat)]
 
 
-def token_advantages(a_traj, turn_credit, turn_spans, seq_len, omega, sigma) -> np.ndarray:
+def token_advantages(a_traj, a_hat, turn_spans, seq_len, omega, sigma) -> np.ndarray:
     """(N, seq_len) token advantages: turn_advantages on the sampled tokens of each turn, 0 on every other token.
 
     turn_spans[i] = [(start, end), ...] per turn of episode i, end exclusive, increasing and non-overlapping, in
-    the episode's token coordinates; turn_credit[i] = A_hat per turn (0 for an unbranched turn, which then carries
+    the episode's token coordinates; a_hat[i] = A_hat per turn (0 for an unbranched turn, which then carries
     exactly A_traj_i). Observation and prompt tokens stay 0; the caller applies its loss mask anyway.
     """
     a_traj = _np(a_traj).reshape(-1)
-    if not len(a_traj) == len(turn_credit) == len(turn_spans):
-        raise ValueError(f"episodes: a_traj {len(a_traj)}, turn_credit {len(turn_credit)}, spans {len(turn_spans)}")
+    if not len(a_traj) == len(a_hat) == len(turn_spans):
+        raise ValueError(f"episodes: a_traj {len(a_traj)}, a_hat {len(a_hat)}, spans {len(turn_spans)}")
     out = np.zeros((len(a_traj), seq_len))  # (N, L)
-    for i, (adv, spans) in enumerate(zip(turn_advantages(a_traj, turn_credit, omega, sigma), turn_spans)):
+    for i, (adv, spans) in enumerate(zip(turn_advantages(a_traj, a_hat, omega, sigma), turn_spans)):
         if len(adv) != len(spans):
             raise ValueError(f"episode {i}: {len(adv)} turn credits but {len(spans)} turn spans")
         prev = 0

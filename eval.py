@@ -1,49 +1,23 @@
-"""Scoring and evaluation for the search agent: answer extraction, SQuAD normalisation, exact match, QA loading.
+"""Evaluation of a search agent on QA sets: QA loading and validation, greedy episodes, EM per data source.
 
-The training reward and the evaluation use the same functions (`extract_answer` + `exact_match`), so they cannot
-drift apart. Reward (DESIGN.md section 3): exact match after SQuAD normalisation of the last `<answer>` of the
-episode's response (everything after the prompt) against any gold answer; 1.0 or 0.0. This equals Search-R1's
-`qa_em.compute_score_em`, which searches the whole sequence and skips the prompt's `<answer> Beijing </answer>`
-example by requiring two matches.
+The episodes are scored by rollout.py's reward (`extract_answer` + `exact_match` after SQuAD normalisation, DESIGN.md
+section 3), the same function that scores training episodes, so the two cannot drift apart. The reward reads the
+agent's own sampled text only (DEVIATION R5); Search-R1's `qa_em.compute_score_em` reads prompt + response and skips
+the prompt's `<answer> Beijing </answer>` example by requiring two matches.
 
-`python eval.py report GRPO=DIR TWICE=DIR --paper 3b` turns result files into the paper's table (make reproduce-3b).
+Launch:
+  python eval.py --model runs/demo/twice/step_000030/policy --data data/tinyworld/test.jsonl --index data/tinyworld/index
+  python eval.py --help                                  # every option with its default
+The paper's table from result files is report.py's (`python report.py paper GRPO=DIR TWICE=DIR --paper 3b`).
 """
 import json
 import os
-import re
-import string
+from dataclasses import dataclass
 
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+import config
+import rollout
+
 QA_FIELDS = ("id", "question", "golden_answers", "data_source")
-
-
-def normalize_answer(s: str) -> str:
-    """SQuAD normalisation: lowercase, drop punctuation, drop articles a/an/the, collapse whitespace."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def extract_answer(response: str):
-    """Content of the last `<answer>...</answer>` in the response, stripped; None when there is none."""
-    matches = ANSWER_RE.findall(response)
-    return matches[-1].strip() if matches else None
-
-
-def exact_match(prediction, golden_answers) -> float:
-    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0 (None scores 0)."""
-    if prediction is None:
-        return 0.0
-    if isinstance(golden_answers, str):
-        golden_answers = [golden_answers]
-    pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(g) for g in golden_answers))
-
-
-def reward(response: str, golden_answers) -> float:
-    """The episode reward: exact match of the last answer in the response."""
-    return exact_match(extract_answer(response), golden_answers)
 
 
 def _check_row(row, where: str) -> dict:
@@ -127,7 +101,6 @@ def summarize(rows: list, rewards: list) -> dict:
 
 def evaluate(model, tokenizer, retriever, rows: list, proto, chunk: int = 256, progress: bool = True) -> list:
     """Greedy episodes (proto.temperature must be 0) for every row -> the finished Episode records, in order."""
-    import rollout
     from tqdm import tqdm
     if proto.temperature != 0:
         raise ValueError("evaluation is greedy: set temperature 0 (DESIGN.md section 3)")
@@ -162,134 +135,58 @@ def load_retriever(index: str = "", url: str = ""):
     return retriever.DenseRetriever(index)
 
 
-def main(argv=None):
-    import argparse
-    import rollout
+@dataclass
+class Config:
+    """Greedy exact-match evaluation of a search agent on QA sets (DESIGN.md section 3)."""
+    model: str = ""                 # HF folder or hub id of the policy
+    data: str = ""                  # comma-separated QA files (.jsonl / .parquet)
+    index: str = ""                 # retriever index folder (retriever.py build)
+    retriever_url: str = ""         # Search-R1-style server, e.g. http://127.0.0.1:8000/retrieve; replaces index
+    out: str = ""                   # write per-question records and the table as json here
+    limit: int = 0                  # first N questions of each file (0 = all)
+    max_turns: int = 4              # searches per episode, then one final turn
+    topk: int = 3                   # documents per search
+    max_new_tokens: int = 500       # tokens per turn
+    max_obs_tokens: int = 500       # tokens per observation
+    max_context: int = 4096         # prompt + response tokens
+    gen_batch_size: int = 64        # rows per generate call
+
+    def checks(self):
+        return [("model", bool(self.model), "a policy folder or hub id"),
+                ("data", bool(self.data), "one or more QA files"),
+                ("index", bool(self.index or self.retriever_url), "an index folder, or set retriever_url"),
+                ("limit", self.limit >= 0, ">= 0"), ("max_turns", self.max_turns >= 0, ">= 0"),
+                ("topk", self.topk >= 1, ">= 1"), ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+                ("max_obs_tokens", self.max_obs_tokens >= 0, ">= 0"),
+                ("max_context", self.max_context >= 2, ">= 2"), ("gen_batch_size", self.gen_batch_size >= 1, ">= 1")]
+
+
+def main(cfg: Config):
     import torch
-    ap = argparse.ArgumentParser(description="Greedy exact-match evaluation of a search agent on QA sets.")
-    ap.add_argument("--model", required=True, help="HF folder or hub id of the policy")
-    ap.add_argument("--data", required=True, help="comma-separated QA files (.jsonl / .parquet)")
-    ap.add_argument("--index", default="", help="retriever index folder (retriever.py build)")
-    ap.add_argument("--retriever_url", default="", help="Search-R1-style server, e.g. http://127.0.0.1:8000/retrieve")
-    ap.add_argument("--out", default="", help="write per-question records and the table as json here")
-    ap.add_argument("--limit", type=int, default=0, help="first N questions of each file (0 = all)")
-    ap.add_argument("--max_turns", type=int, default=4)
-    ap.add_argument("--topk", type=int, default=3)
-    ap.add_argument("--max_new_tokens", type=int, default=500)
-    ap.add_argument("--max_obs_tokens", type=int, default=500)
-    ap.add_argument("--max_context", type=int, default=4096)
-    ap.add_argument("--gen_batch_size", type=int, default=64)
-    args = ap.parse_args(argv)
     rows = []
-    for path in args.data.split(","):
-        rows += load_qa(path)[:args.limit or None]
+    for path in cfg.data.split(","):
+        rows += load_qa(path)[:cfg.limit or None]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_policy(args.model, device, torch.bfloat16 if device == "cuda" else torch.float32)
-    proto = rollout.Protocol(max_turns=args.max_turns, topk=args.topk, max_new_tokens=args.max_new_tokens,
-                             max_obs_tokens=args.max_obs_tokens, max_context=args.max_context, temperature=0.0,
-                             gen_batch_size=args.gen_batch_size)
-    episodes = evaluate(model, tokenizer, load_retriever(args.index, args.retriever_url), rows, proto)
+    model, tokenizer = load_policy(cfg.model, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    proto = rollout.protocol_from(cfg, greedy=True)
+    episodes = evaluate(model, tokenizer, load_retriever(cfg.index, cfg.retriever_url), rows, proto)
     per_source = summarize(rows, [ep.reward for ep in episodes])
     table = em_table(per_source)
     print(table)
-    if args.out:
+    if cfg.out:
         records = [{"id": r["id"], "data_source": r["data_source"], "question": r["question"], "answer": ep.answer,
                     "golden_answers": r["golden_answers"], "em": ep.reward, "turns": len(ep.turns),
                     "response": tokenizer.decode(ep.ids, skip_special_tokens=False)} for r, ep in zip(rows, episodes)]
-        result = {"model": args.model, "per_source": {k: {"n": n, "em": em} for k, (n, em) in per_source.items()},
+        result = {"model": cfg.model, "per_source": {k: {"n": n, "em": em} for k, (n, em) in per_source.items()},
                   "average_em": sum(em for _, em in per_source.values()) / len(per_source), "table": table,
                   "records": records}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+        tmp = cfg.out + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
-        os.replace(tmp, args.out)  # atomic: an interrupted run never leaves half a results file
+        os.replace(tmp, cfg.out)  # atomic: an interrupted run never leaves half a results file
     return per_source
 
 
-# --- the paper-scale results table (`make reproduce-3b`): `python eval.py report METHOD=PATH ...` ---
-
-# Search-R1's column order and names
-TEST_SETS = {"nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA", "2wikimultihopqa": "2wiki",
-             "musique": "Musique", "bamboogle": "Bamboogle"}
-# arXiv 2610.31544: average EM (%) over the seven sets; its per-set figures are not available to us
-PAPER_AVG_EM = {"3b": {"GRPO": 37.4, "TWICE": 42.7}, "7b": {"GRPO": 42.0, "TWICE": 46.5}}
-
-
-def _result_files(path: str) -> list:
-    if os.path.isdir(path):
-        return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".json"))
-    return [path]
-
-
-def report_table(results_jsons: dict, paper: dict = None) -> str:
-    """Markdown table in the paper's layout: one row per method, EM (%) per test set and the unweighted average
-    over the sets (Search-R1's "Avg."), then TWICE - GRPO style differences of the first two methods and the paper's
-    averages. results_jsons: {method: [eval.py --out files, or folders of them]}; paper: {method: average EM (%)}."""
-    per = {}
-    for method, paths in results_jsons.items():
-        per[method] = {}
-        for path in (f for p in paths for f in _result_files(p)):
-            with open(path, encoding="utf-8") as f:
-                result = json.load(f)
-            if "per_source" not in result:
-                raise ValueError(f"{path}: not an `eval.py --out` file (no field 'per_source')")
-            for source, v in result["per_source"].items():
-                if source in per[method]:
-                    raise ValueError(f"{path}: {source} is scored twice for {method}")
-                per[method][source] = (v["n"], 100 * v["em"])
-        if not per[method]:
-            raise ValueError(f"{method}: no results in {paths}")
-    seen = {s for scores in per.values() for s in scores}
-    cols = [s for s in TEST_SETS if s in seen] + sorted(seen - set(TEST_SETS))
-    lines = ["| method | " + " | ".join(TEST_SETS.get(s, s) for s in cols) + " | Avg. |",
-             "|---|" + "---:|" * (len(cols) + 1)]
-    avgs = {}
-    for method, scores in per.items():
-        avgs[method] = sum(em for _, em in scores.values()) / len(scores)
-        partial = "" if len(scores) == len(cols) else f" ({len(scores)}/{len(cols)} sets)"
-        cells = [f"{scores[s][1]:.1f}" if s in scores else "-" for s in cols]
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | **{avgs[method]:.1f}**{partial} |")
-    if len(per) >= 2:
-        (a, sa), (b, sb) = list(per.items())[:2]
-        cells = [f"{sb[s][1] - sa[s][1]:+.1f}" if s in sa and s in sb else "-" for s in cols]
-        lines.append(f"| {b} - {a} | " + " | ".join(cells) + f" | {avgs[b] - avgs[a]:+.1f} |")
-    for method, avg in (paper or {}).items():
-        lines.append(f"| {method} (paper) | " + " | ".join("-" for _ in cols) + f" | {avg:.1f} |")
-    counts = {s: n for scores in per.values() for s, (n, _) in scores.items()}
-    lines.append("| questions | " + " | ".join(str(counts[s]) for s in cols) + " | |")
-    return "\n".join(lines)
-
-
-def report_main(argv=None):
-    import argparse
-    ap = argparse.ArgumentParser(description="GRPO vs TWICE table from eval.py --out files (the paper's layout).")
-    ap.add_argument("results", nargs="+", help="METHOD=PATH[,PATH...]: result files or folders of them")
-    ap.add_argument("--paper", choices=sorted(PAPER_AVG_EM) + ["none"], default="none", help="add the paper's rows")
-    ap.add_argument("--out", default="", help="write the markdown here as well")
-    args = ap.parse_args(argv)
-    runs = {}
-    for item in args.results:
-        method, sep, paths = item.partition("=")
-        if not sep or not paths:
-            ap.error(f"expected METHOD=PATH, got {item!r}")
-        runs[method] = paths.split(",")
-    paper = PAPER_AVG_EM.get(args.paper, {})
-    text = (f"# Exact match (%) on the seven test sets{f' (Qwen2.5-{args.paper.upper()})' if paper else ''}\n\n"
-            f"{report_table(runs, paper)}\n\nGreedy decoding, one sample per question, exact match after SQuAD "
-            "normalisation; Avg. is the unweighted mean over the test sets. Paper rows: arXiv 2610.31544, average "
-            "only (its per-set figures are not available here).\n")
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-    return text
-
-
 if __name__ == "__main__":
-    import sys
-    if sys.argv[1:2] == ["report"]:
-        report_main(sys.argv[2:])
-    else:
-        main()
+    main(config.cli(Config, prog="eval.py", presets=False))

@@ -31,14 +31,17 @@ import hashlib
 import math
 import re
 import statistics
+import string
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+                          StoppingCriteriaList)
 
-import eval as qa_eval
+import credit
 
 # --- protocol constants (Search-R1 compatibility: byte for byte, typo "as your want" included) ---
 INSTRUCTION = (
@@ -56,6 +59,7 @@ INVALID_ACTION_MSG = (
 )
 STOP_STRINGS = ("</search>", "</answer>")
 ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)  # Search-R1 postprocess_predictions
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def user_message(question: str) -> str:
@@ -97,6 +101,37 @@ def information_block(docs_text: str) -> str:
     return f"\n\n<information>{docs_text.strip()}</information>\n\n"
 
 
+# --- reward (DESIGN.md section 3): the training reward and the evaluation share these functions ---
+def normalize_answer(s: str) -> str:
+    """SQuAD normalisation: lowercase, drop punctuation, drop articles a/an/the, collapse whitespace."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def extract_answer(response: str):
+    """Content of the last `<answer>...</answer>` in the response, stripped; None when there is none."""
+    matches = ANSWER_RE.findall(response)
+    return matches[-1].strip() if matches else None
+
+
+def exact_match(prediction, golden_answers) -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0 (None scores 0)."""
+    if prediction is None:
+        return 0.0
+    if isinstance(golden_answers, str):
+        golden_answers = [golden_answers]
+    pred = normalize_answer(prediction)
+    return float(any(pred == normalize_answer(g) for g in golden_answers))
+
+
+def reward(response: str, golden_answers) -> float:
+    """The episode reward: exact match of the last answer in the agent's own text (finish() passes only the
+    sampled turns, never observations: DEVIATION R5)."""
+    return exact_match(extract_answer(response), golden_answers)
+
+
 @dataclass
 class Protocol:
     """Episode settings (DESIGN.md section 3; Search-R1 defaults)."""
@@ -113,12 +148,22 @@ class Protocol:
     fused_sampler: bool = False   # torch.compile the keyed sampler into one kernel (use on GPU; eager is reference)
 
 
+def protocol_from(cfg, greedy: bool = False) -> Protocol:
+    """The Protocol of any script's config: every Protocol field the config has (train_twice, audit, eval share
+    the names); greedy sets T = 0 (evaluation)."""
+    proto = Protocol(**{f.name: getattr(cfg, f.name) for f in fields(Protocol) if hasattr(cfg, f.name)})
+    if greedy:
+        proto.temperature = 0.0
+    return proto
+
+
 # --- keys (DESIGN.md section 4): integer mixing only, never Python's hash(), which is salted per process ---
 M64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment, 2^64 / golden ratio
 FMIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None))  # splitmix64 finaliser (Steele et al. 2014)
 U_BITS = 23  # u = (k + 1/2) / 2^23: exactly representable in float32, never 0 or 1, so g is finite (|g| < 17)
 TURN_TAG, ALT_TAG, UNCOUPLED_TAG, MC_Q_TAG, MC_V_TAG = 0x7475726E, 0x616C74, 0x756E63, 0x6D6371, 0x6D6376  # ASCII
+BRANCH_TAG = 0x6272616E  # "bran": the budget rule's branch draws, independent of every sampling key
 
 
 def _fmix64(x: int) -> int:
@@ -158,6 +203,12 @@ def alt_key(ep_key: int, turn: int, j: int) -> int:
 def fresh_key(ep_key: int, tag: int, *idx: int) -> int:
     """Seed of uncoupled noise (independent twins, Monte Carlo rollouts): turns then use turn_key(seed, turn)."""
     return mix(ep_key, tag, *idx)
+
+
+def branch_uniform(*key: int) -> float:
+    """Keyed uniform in [0, 1) of a budget-rule branch draw (decision t branches iff u < q_t), e.g. key =
+    (run seed, step, uid, line, turn): reproducible, and independent of every sampling key."""
+    return mix(*key, BRANCH_TAG) / 2.0 ** 64
 
 
 def _signed(u: int) -> int:
@@ -222,6 +273,12 @@ def keyed_uniform(row_keys, pos, vocab: int, device=None) -> torch.Tensor:
 
 def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
+
+
+def keyed_gumbel_argmax(logits, row_keys, pos, temperature: float = 1.0) -> torch.Tensor:
+    """The definition of a keyed draw (DESIGN.md section 4), written as its formula: the reference of the fast
+    exponential race below (identical tokens, tested)."""
+    return (logits / temperature + gumbel_noise(keyed_uniform(row_keys, pos, logits.shape[-1]))).argmax(-1)
 
 
 def _keyed_race(l, seeds, weyl, e=None, x=None, tmp=None, f=None):
@@ -450,6 +507,8 @@ def start_episodes(tokenizer, questions, run_seed: int, step: int, group_size: i
         if missing:
             raise ValueError(f"question {i}: missing field(s) {missing}")
         uid, gold = stable_id(str(q["id"])), q["golden_answers"]
+        if q.get("occurrence"):  # the same row twice in one step (epoch wrap): distinct keys for each occurrence
+            uid = mix(uid, q["occurrence"])
         prompt = _encode(tokenizer, render_prompt(tokenizer, q["question"]), chat)
         for line in range(group_size):
             episodes.append(Episode(uid=uid, line=line, key=episode_key(run_seed, step, uid, line),
@@ -553,10 +612,19 @@ def _add_observation(ep, turn, tokenizer, text: str, proto):
     ep.mask += [0] * len(ids)
 
 
+def agent_text(ep) -> str:
+    """What the agent itself wrote: its sampled turns, without any observation or invalid-action message."""
+    return "".join(turn.text for turn in ep.turns)
+
+
 def finish(ep, tokenizer):
-    """End the episode: reward = eval.reward of the decoded response (the training reward is the evaluation's)."""
-    response = tokenizer.decode(ep.ids, skip_special_tokens=False)
-    ep.answer, ep.reward, ep.done = qa_eval.extract_answer(response), qa_eval.reward(response, ep.golden_answers), True
+    """End the episode: answer and reward from the agent's own text (the training reward is the evaluation's).
+
+    DEVIATION R5: Search-R1 scores prompt + response, so an `<answer>` inside a retrieved document or the
+    invalid-action message ("... between <answer> and </answer> ...") counts as the agent's answer; here only
+    sampled tokens do (tested: neither can earn a reward or be recorded as the answer)."""
+    text = agent_text(ep)
+    ep.answer, ep.reward, ep.done = extract_answer(text), reward(text, ep.golden_answers), True
 
 
 def execute_turn(tokenizer, retriever, episodes, gens, proto):
@@ -620,6 +688,31 @@ def branch(ep, turn: int, include_turn=False, key_overrides=None, fresh_seed=Non
     if include_turn and start == len(ep.turns) and ep.done:  # the turn ended the episode: nothing left to sample
         new.answer, new.reward, new.done = ep.answer, ep.reward, True
     return new
+
+
+@dataclass
+class Decisions:
+    """Every (episode, turn) decision of a batch, the budget rule's inputs (DESIGN.md section 5)."""
+    index: list             # (episode i, turn t) pairs, episode-major
+    features: object        # (n, F) discordance-predictor features (credit.featurize)
+    cost: object            # (n,) c_t: tokens of y_t and of every factual token sampled after it
+
+
+def decision_table(episodes, group_success) -> Decisions:
+    """c_t counts what a twin from s_t is predicted to generate: y_t and the factual turns after it."""
+    index, cost = [], []
+    cols = {k: [] for k in ("turn", "action", "entropy", "group_success", "outcome", "turns_remaining")}
+    for i, ep in enumerate(episodes):
+        for t, turn in enumerate(ep.turns):
+            index.append((i, t))
+            cols["turn"].append(t)
+            cols["action"].append(turn.action)
+            cols["entropy"].append(float(np.mean(turn.entropy)) if turn.entropy else 0.0)
+            cols["group_success"].append(group_success[i])
+            cols["outcome"].append(ep.reward)
+            cols["turns_remaining"].append(len(ep.turns) - 1 - t)
+            cost.append(max(1, sum(u.end - u.start for u in ep.turns[t:])))
+    return Decisions(index, credit.featurize(**cols), np.asarray(cost, dtype=np.float64))
 
 
 @dataclass

@@ -39,8 +39,9 @@ import time
 
 import numpy as np
 
-from eval import exact_match, reward, write_jsonl
-from rollout import INSTRUCTION, INVALID_ACTION_MSG, information_block, render_prompt, user_message
+from eval import write_jsonl
+from rollout import (INSTRUCTION, INVALID_ACTION_MSG, exact_match, information_block, render_prompt, reward,
+                     user_message)
 
 
 # Scripted-demonstration probabilities (saved in world.json). Each row is one decision of the script.

@@ -19,6 +19,7 @@ import torch
 
 import data
 import eval as qa_eval
+import report
 import retriever
 import rollout
 import train_twice as tt
@@ -357,19 +358,19 @@ def test_report_table_in_the_papers_layout(tmp_path):
     os.makedirs(tmp_path / "twice")
     result(tmp_path / "twice" / "nq.json", {"nq": (10, 0.4)})
     result(tmp_path / "twice" / "popqa.json", {"popqa": (20, 0.55)})
-    table = qa_eval.report_table({"GRPO": [str(tmp_path / "grpo.json")], "TWICE": [str(tmp_path / "twice")]},
-                                 qa_eval.PAPER_AVG_EM["3b"])
+    table = report.report_table({"GRPO": [str(tmp_path / "grpo.json")], "TWICE": [str(tmp_path / "twice")]},
+                                 report.PAPER_AVG_EM["3b"])
     assert table.split("\n") == ["| method | NQ | PopQA | Avg. |", "|---|---:|---:|---:|",
                                  "| GRPO | 30.0 | 50.0 | **40.0** |", "| TWICE | 40.0 | 55.0 | **47.5** |",
                                  "| TWICE - GRPO | +10.0 | +5.0 | +7.5 |", "| GRPO (paper) | - | - | 37.4 |",
                                  "| TWICE (paper) | - | - | 42.7 |", "| questions | 10 | 20 | |"]
     out = tmp_path / "report.md"
-    qa_eval.report_main(["--paper", "7b", "--out", str(out), f"GRPO={tmp_path / 'grpo.json'}",
+    report.paper_main(["--paper", "7b", "--out", str(out), f"GRPO={tmp_path / 'grpo.json'}",
                          f"TWICE={tmp_path / 'twice'}"])
     assert "| TWICE (paper) | - | - | 46.5 |" in out.read_text() and "Qwen2.5-7B" in out.read_text()
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match=r"bad.json: not an `eval.py --out` file"):
-        qa_eval.report_table({"GRPO": [str(tmp_path / "bad.json")]})
+        report.report_table({"GRPO": [str(tmp_path / "bad.json")]})
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -205,6 +205,7 @@ def test_processor_race_equals_reference_gumbel_argmax():
         token = out.argmax(-1)
         g = rollout.gumbel_noise(rollout.keyed_uniform(keys, 3, vocab))
         assert torch.equal(token, (logits / temperature + g).argmax(-1))
+        assert torch.equal(token, rollout.keyed_gumbel_argmax(logits, keys, 3, temperature))  # the formula's path
         log_p = torch.log_softmax(logits / temperature, -1)
         assert torch.allclose(proc.logprobs[0], log_p.gather(1, token[:, None]).squeeze(1), atol=1e-5)
         assert torch.allclose(proc.entropy[0], -(log_p.exp() * log_p).sum(-1), atol=1e-5)

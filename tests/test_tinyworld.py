@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import tinyworld
-from eval import load_qa, reward
+from eval import load_qa
+from rollout import reward
 from rollout import INVALID_ACTION_MSG, information_block, render_prompt
 
 SEED = 3

@@ -10,6 +10,7 @@ import torch
 
 import credit
 import rollout
+import report
 import train_twice as tt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,7 +149,7 @@ def test_compare_runs_table_and_plot(tmp_path):
         return str(d)
     dirs = [run("g0", 0, 0.6, 100), run("g1", 0, 0.8, 100),
             run("t0", 0.5, 0.9, 100, 4, 1), run("t1", 0.5, 0.7, 100, 4, 3)]
-    table = tt.compare_runs(dirs).splitlines()
+    table = report.compare_runs(dirs).splitlines()
     assert table[0].startswith("| method | seeds | EM@0 | EM@2 |")
     assert table[2] == "| GRPO | 2 | 0.500 +- 0.000 | 0.700 +- 0.100 | 0.500 +- 0.000 | 1.00x | 0.0 | 0.0% | 0.0% |"
     assert table[3] == "| TWICE | 2 | 0.500 +- 0.000 | 0.800 +- 0.100 | 0.500 +- 0.000 | 1.50x | 4.0 | 50.0% | 0.0% |"

@@ -1,0 +1,213 @@
+"""Tables and plots of finished runs and audits (DESIGN.md section 2): it reads files (metrics.jsonl, config.json,
+eval.py result files), never another module's internals.
+
+  python report.py run runs/demo/twice                         # learning_curve.png + the before/after table
+  python report.py compare runs/demo-compare/omega*-seed*      # GRPO vs TWICE table and compare.png
+  python report.py paper GRPO=runs/x-grpo/eval TWICE=runs/x-twice/eval --paper 3b --out report.md   # paper's table
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def read_rows(out_dir: str) -> list:
+    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curve(out_dir: str):
+    """learning_curve.png: greedy eval EM and sampled training reward against the step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = read_rows(out_dir)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("reward", "train reward (sampled)"), ("eval_em", "eval EM (greedy)")):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "eval_em" else None, label=label)
+    ax.set(xlabel="step", ylabel="exact match", title=os.path.basename(os.path.abspath(out_dir)))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(os.path.join(out_dir, "learning_curve.png"), dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def run_summary(out_dir: str) -> str:
+    """Markdown: greedy EM per source before training (the step-0 eval) and after (the final one), and the run's
+    twin statistics summed over steps. Printed at the end of every run and by `make demo`."""
+    rows = read_rows(out_dir)
+    first = next((r for r in rows if "eval_em" in r and not r.get("final")), {})
+    last = next((r for r in reversed(rows) if r.get("final")), {})
+    keys = sorted(k for k in last if k.startswith("eval_em/")) + ["eval_em"]
+    lines = ["| eval (greedy EM) | step 0 | final |", "|---|---:|---:|"]
+    lines += [f"| {k.split('/')[-1] if '/' in k else 'average'} | {first.get(k, float('nan')):.3f} | "
+              f"{last.get(k, float('nan')):.3f} |" for k in keys]
+    steps = [r for r in rows if "final" not in r]
+    tot = {k: sum(r.get(k, 0) for r in steps) for k in ("decisions", "twins", "self_twins", "shortcuts",
+                                                         "twin_rollouts", "twin_tokens", "factual_tokens")}
+    twins = max(tot["twins"], 1)
+    lines += ["", f"{len(steps)} steps: {tot['decisions']} decisions, {tot['twins']} twins drawn "
+              f"(self-twins {tot['self_twins'] / twins:.1%}, same-evidence shortcuts {tot['shortcuts'] / twins:.1%}, "
+              f"{tot['twin_rollouts']} rolled out); generated tokens: factual {tot['factual_tokens']}, twins "
+              f"{tot['twin_tokens']}, total / factual {1 + tot['twin_tokens'] / max(tot['factual_tokens'], 1):.2f}x"]
+    return "\n".join(lines)
+
+
+def eval_curves(runs: list, evals: list) -> np.ndarray:
+    """(seeds, evals) greedy eval EM of each run's metrics rows at each eval step."""
+    return np.array([[next(r["eval_em"] for r in rows if r["step"] == s and "eval_em" in r) for s in evals]
+                     for rows in runs])
+
+
+def compare_runs(run_dirs) -> str:
+    """Markdown comparison of finished runs grouped by method (GRPO: omega = 0; TWICE; independent: coupling off),
+    mean +- sd over the seeds of each group: greedy eval EM at every eval step, mean sampled training reward, and
+    generated tokens (factual + twin) relative to GRPO's. `python report.py compare DIR...`."""
+    groups = {}
+    for d in run_dirs:
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        name = "GRPO" if cfg["omega"] == 0 else "TWICE" if cfg["coupling"] else "independent"
+        groups.setdefault(name, []).append(read_rows(d))
+    def mean_sd(xs):
+        return f"{np.mean(xs):.3f} +- {np.std(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    evals = sorted({r["step"] for runs in groups.values() for rows in runs for r in rows if "eval_em" in r})
+    head = ["method", "seeds"] + [f"EM@{s}" for s in evals] + ["train reward", "tokens / GRPO", "twins / step",
+                                                                "self-twins", "shortcuts"]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    tokens = {}
+    for name, runs in groups.items():
+        tokens[name] = np.mean([sum(r.get("factual_tokens", 0) + r.get("twin_tokens", 0) for r in rows)
+                                for rows in runs])
+    for name in sorted(groups, key=["GRPO", "independent", "TWICE"].index):
+        runs = groups[name]
+        steps = [[r for r in rows if "final" not in r] for rows in runs]
+        em = [mean_sd(col) for col in eval_curves(runs, evals).T]
+        twins = sum(r.get("twins", 0) for rows in steps for r in rows)
+        cells = [name, str(len(runs)), *em, mean_sd([np.mean([r["reward"] for r in rows]) for rows in steps]),
+                 f"{tokens[name] / tokens['GRPO']:.2f}x" if "GRPO" in tokens else "-",
+                 f"{twins / max(1, sum(len(x) for x in steps)):.1f}",
+                 f"{sum(r.get('self_twins', 0) for rows in steps for r in rows) / max(twins, 1):.1%}",
+                 f"{sum(r.get('shortcuts', 0) for rows in steps for r in rows) / max(twins, 1):.1%}"]
+        out.append("| " + " | ".join(cells) + " |")
+    plot_compare(groups, evals, os.path.join(os.path.dirname(os.path.abspath(run_dirs[0])), "compare.png"))
+    return "\n".join(out)
+
+
+def plot_compare(groups: dict, evals: list, path: str):
+    """compare.png next to the runs: greedy eval EM against the step, mean +- sd over seeds, one line per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, runs in sorted(groups.items()):
+        em = eval_curves(runs, evals)  # (seeds, evals)
+        ax.plot(evals, em.mean(0), marker="o", label=f"{name} ({len(runs)} seeds)")
+        ax.fill_between(evals, em.mean(0) - em.std(0), em.mean(0) + em.std(0), alpha=0.2)
+    ax.set(xlabel="step", ylabel="greedy EM (test)", title="GRPO vs TWICE, same seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+# --- the paper-scale results table (`make reproduce-3b`): `python report.py paper METHOD=PATH ...` ---
+
+# Search-R1's column order and names
+TEST_SETS = {"nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA", "2wikimultihopqa": "2wiki",
+             "musique": "Musique", "bamboogle": "Bamboogle"}
+# arXiv 2610.31544: average EM (%) over the seven sets; its per-set figures are not available to us
+PAPER_AVG_EM = {"3b": {"GRPO": 37.4, "TWICE": 42.7}, "7b": {"GRPO": 42.0, "TWICE": 46.5}}
+
+
+def _result_files(path: str) -> list:
+    if os.path.isdir(path):
+        return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".json"))
+    return [path]
+
+
+def report_table(results_jsons: dict, paper: dict = None) -> str:
+    """Markdown table in the paper's layout: one row per method, EM (%) per test set and the unweighted average
+    over the sets (Search-R1's "Avg."), then TWICE - GRPO style differences of the first two methods and the paper's
+    averages. results_jsons: {method: [eval.py --out files, or folders of them]}; paper: {method: average EM (%)}."""
+    per = {}
+    for method, paths in results_jsons.items():
+        per[method] = {}
+        for path in (f for p in paths for f in _result_files(p)):
+            with open(path, encoding="utf-8") as f:
+                result = json.load(f)
+            if "per_source" not in result:
+                raise ValueError(f"{path}: not an `eval.py --out` file (no field 'per_source')")
+            for source, v in result["per_source"].items():
+                if source in per[method]:
+                    raise ValueError(f"{path}: {source} is scored twice for {method}")
+                per[method][source] = (v["n"], 100 * v["em"])
+        if not per[method]:
+            raise ValueError(f"{method}: no results in {paths}")
+    seen = {s for scores in per.values() for s in scores}
+    cols = [s for s in TEST_SETS if s in seen] + sorted(seen - set(TEST_SETS))
+    lines = ["| method | " + " | ".join(TEST_SETS.get(s, s) for s in cols) + " | Avg. |",
+             "|---|" + "---:|" * (len(cols) + 1)]
+    avgs = {}
+    for method, scores in per.items():
+        avgs[method] = sum(em for _, em in scores.values()) / len(scores)
+        partial = "" if len(scores) == len(cols) else f" ({len(scores)}/{len(cols)} sets)"
+        cells = [f"{scores[s][1]:.1f}" if s in scores else "-" for s in cols]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | **{avgs[method]:.1f}**{partial} |")
+    if len(per) >= 2:
+        (a, sa), (b, sb) = list(per.items())[:2]
+        cells = [f"{sb[s][1] - sa[s][1]:+.1f}" if s in sa and s in sb else "-" for s in cols]
+        lines.append(f"| {b} - {a} | " + " | ".join(cells) + f" | {avgs[b] - avgs[a]:+.1f} |")
+    for method, avg in (paper or {}).items():
+        lines.append(f"| {method} (paper) | " + " | ".join("-" for _ in cols) + f" | {avg:.1f} |")
+    counts = {s: n for scores in per.values() for s, (n, _) in scores.items()}
+    lines.append("| questions | " + " | ".join(str(counts[s]) for s in cols) + " | |")
+    return "\n".join(lines)
+
+
+def paper_main(argv=None):
+    ap = argparse.ArgumentParser(description="GRPO vs TWICE table from eval.py --out files (the paper's layout).")
+    ap.add_argument("results", nargs="+", help="METHOD=PATH[,PATH...]: result files or folders of them")
+    ap.add_argument("--paper", choices=sorted(PAPER_AVG_EM) + ["none"], default="none", help="add the paper's rows")
+    ap.add_argument("--out", default="", help="write the markdown here as well")
+    args = ap.parse_args(argv)
+    runs = {}
+    for item in args.results:
+        method, sep, paths = item.partition("=")
+        if not sep or not paths:
+            ap.error(f"expected METHOD=PATH, got {item!r}")
+        runs[method] = paths.split(",")
+    paper = PAPER_AVG_EM.get(args.paper, {})
+    text = (f"# Exact match (%) on the seven test sets{f' (Qwen2.5-{args.paper.upper()})' if paper else ''}\n\n"
+            f"{report_table(runs, paper)}\n\nGreedy decoding, one sample per question, exact match after SQuAD "
+            "normalisation; Avg. is the unweighted mean over the test sets. Paper rows: arXiv 2610.31544, average "
+            "only (its per-set figures are not available here).\n")
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    return text
+
+
+def finish_run(out_dir: str) -> str:
+    """What the end of every training run shows: learning_curve.png written, the summary table returned."""
+    plot_curve(out_dir)
+    return run_summary(out_dir)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"run": lambda a: print(finish_run(a[0])), "compare": lambda a: print(compare_runs(a)),
+                "paper": paper_main}
+    if not argv or argv[0] not in commands or (argv[0] != "paper" and len(argv) < 2) or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+    commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()
