@@ -111,6 +111,17 @@ def evaluate(model, tokenizer, retriever, rows: list, proto, chunk: int = 256, p
     return episodes
 
 
+def evaluate_on_ranks(accel, model, tokenizer, retriever, rows: list, proto, gather_list) -> dict:
+    """evaluate() with rows sharded over accelerate ranks -> {"eval_em": mean over sources, "eval_em/<source>": EM}.
+    gather_list(accel, items) concatenates every rank's list in rank order."""
+    shard = list(range(accel.process_index, len(rows), accel.num_processes))
+    eps = evaluate(model, tokenizer, retriever, [rows[i] for i in shard], proto, progress=accel.is_main_process)
+    scored = sorted(gather_list(accel, [(i, ep.reward) for i, ep in zip(shard, eps)]))
+    out = {f"eval_em/{k}": em for k, (_, em) in summarize(rows, [r for _, r in scored]).items()}
+    out["eval_em"] = sum(out.values()) / len(out)
+    return out
+
+
 def load_policy(path: str, device=None, dtype=None):
     """(model, tokenizer) from an HF folder or hub id; refuses a tokenizer whose ids the model cannot embed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

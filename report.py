@@ -1,6 +1,7 @@
 """Tables and plots of finished runs and audits (DESIGN.md section 2): it reads files (metrics.jsonl, config.json,
 eval.py result files), never another module's internals.
 
+Usage:
   python report.py run runs/demo/twice                         # learning_curve.png + the before/after table
   python report.py compare runs/demo-compare/omega*-seed*      # GRPO vs TWICE table and compare.png
   python report.py paper GRPO=runs/x-grpo/eval TWICE=runs/x-twice/eval --paper 3b --out report.md   # paper's table

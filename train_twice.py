@@ -17,26 +17,19 @@ Paper: "Same Luck, Different Choice: Twin-World Credit Assignment for Agentic Re
   7. PPO-clip on token ratios (clip 0.2), token-mean over loss-masked tokens, k3 KL to the frozen reference.
 omega = 0 is GRPO (no twins are launched); coupling = False is the independent-counterfactual baseline.
 
-How this differs from textbook GRPO (as run by Search-R1/verl):
-  - turn-level twin credit is added to the broadcast trajectory advantage (steps 3-6);
-  - every token is sampled with keyed Gumbel noise, which is exact sampling from softmax(logits / T);
-  - observation tokens (<information> blocks, invalid-action messages) carry loss mask 0 (as Search-R1).
-Deviations (README "Deviations", ids cited at the tagged lines): T1.
+How this differs from textbook GRPO (as run by Search-R1/verl): turn-level twin credit is added to the broadcast
+trajectory advantage (steps 3-6); every token is sampled with keyed Gumbel noise, exact sampling from
+softmax(logits / T); observation tokens carry loss mask 0 (as Search-R1). Deviations: README "Deviations" (T1 here).
 
 Launch:
   make demo                                                    # CPU, built-in tiny world, minutes
   python train_twice.py --help                                 # every option, its default and meaning
-  python train_twice.py configs/demo.cfg --omega=0             # the same run as GRPO
   python train_twice.py configs/qwen2.5-3b.cfg --steps=5       # one GPU, real model
   accelerate launch --config_file configs/accelerate_ddp.yaml train_twice.py configs/qwen2.5-3b.cfg   # 8 GPUs
   ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 train_twice.py configs/demo.cfg  # 2 CPU ranks
 """
-import dataclasses
-import json
 import math
 import os
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import checkpoint
 import config
 import credit
 import eval as qa_eval
@@ -121,29 +115,20 @@ class Config:
 
     def checks(self):
         """(field, ok, rule): every value that would otherwise fail, or silently mislead, deep inside a step."""
-        return [("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
-                ("prompts_per_step", self.prompts_per_step >= 1, ">= 1"), ("group_size", self.group_size >= 2, ">= 2"),
-                ("max_turns", self.max_turns >= 0, ">= 0"), ("topk", self.topk >= 1, ">= 1"),
-                ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
-                ("max_obs_tokens", self.max_obs_tokens >= 0, ">= 0"), ("max_context", self.max_context >= 2, ">= 2"),
-                ("temperature", self.temperature > 0, "> 0 (training samples; evaluation is greedy)"),
-                ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("top_k", self.top_k >= 0, ">= 0"),
-                ("gen_batch_size", self.gen_batch_size >= 1, ">= 1"), ("omega", math.isfinite(self.omega), "finite"),
-                ("twin_budget", self.twin_budget >= 0, ">= 0"), ("q_min", 0 < self.q_min <= 1, "in (0, 1]"),
-                ("twins_per_decision", self.twins_per_decision >= 1, ">= 1"),
-                ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"), ("adv_eps", self.adv_eps > 0, "> 0"),
-                ("steps", self.steps >= 0, ">= 0"), ("lr", self.lr >= 0, ">= 0"),
-                ("warmup_steps", self.warmup_steps >= 0, ">= 0"), ("clip", self.clip > 0, "> 0"),
-                ("kl_coef", self.kl_coef >= 0, ">= 0"), ("ppo_epochs", self.ppo_epochs >= 1, ">= 1"),
-                ("mini_batches", self.mini_batches >= 1, ">= 1"),
-                ("micro_batch_size", self.micro_batch_size >= 1, ">= 1"), ("grad_clip", self.grad_clip > 0, "> 0"),
-                ("max_weight_growth", self.max_weight_growth > 1, "> 1"),
-                ("eval_every", self.eval_every >= 0, ">= 0"), ("eval_size", self.eval_size >= 0, ">= 0"),
-                ("save_every", self.save_every >= 0, ">= 0")]
+        at_least = {"prompts_per_step": 1, "group_size": 2, "max_turns": 0, "topk": 1, "max_new_tokens": 1,
+                    "max_obs_tokens": 0, "max_context": 2, "top_k": 0, "gen_batch_size": 1, "twin_budget": 0,
+                    "twins_per_decision": 1, "steps": 0, "lr": 0, "warmup_steps": 0, "kl_coef": 0, "ppo_epochs": 1,
+                    "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0, "eval_size": 0, "save_every": 0}
+        above = {"temperature": 0, "adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
+        return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
+                [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
+                [("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
+                 ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("q_min", 0 < self.q_min <= 1, "in (0, 1]"),
+                 ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"), ("omega", math.isfinite(self.omega),
+                                                                          "finite")])
 
 
-def parse_config(argv) -> Config:
-    """Config from preset files (positional `key = value` files) then `--key=value` overrides (config.py)."""
+def parse_config(argv) -> Config:  # preset files (positional), then --key=value overrides (config.py)
     return config.parse(Config, argv, "train_twice.py")
 
 
@@ -222,9 +207,8 @@ def ppo_loss(cfg, lp, old_lp, ref_lp, adv, mask, ent=None):
     return loss * mask, kl * mask, ((ratio - 1).abs() > cfg.clip).float() * mask
 
 
-def diverged(step: int, what: str, value) -> FloatingPointError:
-    return FloatingPointError(f"diverged at step {step}: {what} = {value}; nothing of this step was saved "
-                              "(lower lr, or resume from the last checkpoint)")
+def diverged(step: int, what: str, value) -> FloatingPointError:  # raised before anything of the step is saved
+    return FloatingPointError(f"diverged at step {step}: {what} = {value} (lower lr, or resume a checkpoint)")
 
 
 def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
@@ -287,7 +271,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         a_traj = credit.grpo_advantages(rewards, np.arange(len(episodes)) // G, cfg.adv_eps)
 
         a_hat = [np.zeros(len(ep.turns)) for ep in episodes]  # A_hat per turn; stays 0 for GRPO (omega = 0)
-        twin_stats = {}
+        stats = {}
         if cfg.omega != 0:
             # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; a keyed uniform draws each branch.
             #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the batch's budget).
@@ -319,7 +303,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
             predictor_acc = run.predictor.update(np.array([x for x, _ in labels]).reshape(-1, n_features),
                                                  [y for _, y in labels])
             run.sigma_hat.update(gather_list(accel, a_hat_flat[branched].tolist()))
-            twin_stats = twin_counters(decisions, budget, twins, predictor_acc)
+            stats = {"twins": twins, "n_decisions": len(decisions.index), "predictor_acc": predictor_acc,
+                     "q_mean": float(budget.q.mean()) if len(decisions.index) else 0.0}
         times["twins"] = time.time()
 
         # 6. Token advantage A = A_traj + omega A_hat_t / sigma_hat on the sampled tokens of turn t.
@@ -345,26 +330,14 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     now = time.time()
     metrics = {"step": step, **batch_totals(accel, episodes, batch, ent), "lr": lr, "sigma": run.sigma_hat.value,
                "weight_norm": norm, **update}
-    metrics.update(reduce_twin_stats(accel, twin_stats, metrics["factual_tokens"]))
+    if stats:
+        metrics.update(twin_stats(accel, stats["twins"], stats["n_decisions"], metrics["factual_tokens"]))
+        metrics.update(predictor_acc=stats["predictor_acc"], q_mean=stats["q_mean"])
     metrics.update({"time_rollout": times["rollout"] - times["start"],
                     "time_twins": times["twins"] - times["rollout"],
                     "time_update": now - times["twins"],
                     "time": now - times["start"]})
     return metrics
-
-
-def twin_counters(decisions, budget, twins, predictor_acc) -> dict:
-    kinds = [twin.kind for twin in twins]
-    return {"decisions": len(decisions.index),
-            "twins": len(twins),
-            "self_twins": kinds.count("self"),
-            "shortcuts": kinds.count("same_evidence"),
-            "twin_rollouts": kinds.count("rollout"),
-            "discordant": sum(twin.diff != 0 for twin in twins),
-            "twin_tokens": sum(twin.tokens for twin in twins),
-            "q_mean": float(budget.q.mean()) if len(decisions.index) else 0.0,
-            "budget_over": int(budget.over),
-            "predictor_acc": predictor_acc}
 
 
 def batch_totals(accel, episodes, batch, ent) -> dict:
@@ -380,17 +353,15 @@ def batch_totals(accel, episodes, batch, ent) -> dict:
             "factual_tokens": int(generated)}
 
 
-def reduce_twin_stats(accel, stats: dict, factual_tokens: int) -> dict:
-    """Sum the twin counters over ranks and derive the logged rates (factual_tokens: already summed)."""
-    if not stats:
-        return {}
-    local = torch.tensor([float(stats[k]) for k in TWIN_COUNTERS], dtype=torch.float64, device=accel.device)
-    total = dict(zip(TWIN_COUNTERS, accel.reduce(local, "sum").tolist()))
-    out = {k: int(v) for k, v in total.items()}
-    out["discordance"] = total["discordant"] / max(total["twins"], 1)
-    out["twin_token_ratio"] = total["twin_tokens"] / max(factual_tokens, 1)
-    out["predictor_acc"] = stats["predictor_acc"]
-    out["q_mean"] = stats["q_mean"]
+def twin_stats(accel, twins, n_decisions: int, factual_tokens: int) -> dict:
+    """The twin counters of TWIN_COUNTERS summed over ranks, and the logged rates (factual_tokens: summed)."""
+    kinds = [twin.kind for twin in twins]
+    local = [n_decisions, len(twins), kinds.count("self"), kinds.count("same_evidence"), kinds.count("rollout"),
+             sum(twin.diff != 0 for twin in twins), sum(twin.tokens for twin in twins)]
+    total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=accel.device), "sum").tolist()
+    out = {k: int(v) for k, v in zip(TWIN_COUNTERS, total)}
+    out["discordance"] = out["discordant"] / max(out["twins"], 1)
+    out["twin_token_ratio"] = out["twin_tokens"] / max(factual_tokens, 1)
     return out
 
 
@@ -398,159 +369,12 @@ def reduce_twin_stats(accel, stats: dict, factual_tokens: int) -> dict:
 # Evaluation, checkpoints, logs
 
 def run_eval(cfg, run, rows) -> dict:
-    """Greedy EM on the eval rows (sharded over ranks): {"eval_em": average over sources, "eval_em/<source>": ..}."""
-    accel = run.accel
-    shard = list(range(accel.process_index, len(rows), accel.num_processes))
-    policy = accel.unwrap_model(run.policy)
+    """Greedy EM on the eval rows, sharded over ranks: {"eval_em": average over sources, "eval_em/<source>": ..}."""
+    policy = run.accel.unwrap_model(run.policy)
     policy.eval()
-    with torch.no_grad(), accel.autocast():
-        eps = qa_eval.evaluate(policy, run.tok, run.retriever, [rows[i] for i in shard],
-                               rollout.protocol_from(cfg, greedy=True), progress=accel.is_main_process)
-    scored = sorted(gather_list(accel, [(i, ep.reward) for i, ep in zip(shard, eps)]))
-    per_source = qa_eval.summarize(rows, [r for _, r in scored])
-    out = {f"eval_em/{k}": em for k, (_, em) in per_source.items()}
-    out["eval_em"] = float(np.mean(list(out.values())))
-    return out
-
-
-def _provenance() -> dict:
-    import transformers
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        commit = ""
-    return {"git_commit": commit, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": sys.version.split()[0]}
-
-
-def save_checkpoint(cfg, run, step: int) -> str:
-    """out_dir/step_NNNNNN: policy/ (HF folder, deployable), trainer/ (accelerate state: weights, optimizer, RNG),
-    run.json (config, step, predictor and sigma_hat, provenance). Written to a temp dir, then renamed: atomic."""
-    accel = run.accel
-    final = os.path.join(cfg.out_dir, f"step_{step:06d}")
-    tmp = final + ".tmp"
-    if accel.is_main_process and os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    accel.wait_for_everyone()
-    accel.save_state(os.path.join(tmp, "trainer"))
-    if accel.is_main_process:
-        accel.unwrap_model(run.policy).save_pretrained(os.path.join(tmp, "policy"))
-        run.tok.save_pretrained(os.path.join(tmp, "policy"))
-        state = {"config": dataclasses.asdict(cfg), "step": step, "predictor": run.predictor.state_dict(),
-                 "sigma_hat": run.sigma_hat.state_dict(), **_provenance()}
-        with open(os.path.join(tmp, "run.json"), "w") as f:
-            json.dump(state, f)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    accel.wait_for_everyone()
-    return final
-
-
-RESUME_FREE = {"resume", "steps", "eval_every", "eval_size", "save_every", "out_dir", "overwrite", "log_tensorboard",
-               "log_wandb", "wandb_project"}
-
-
-def load_checkpoint(cfg, run) -> int:
-    """Restore weights, optimizer, RNG, predictor and sigma_hat from cfg.resume; returns the step to continue from.
-    Refuses a checkpoint written with a config that differs in anything that changes results, or past cfg.steps."""
-    with open(os.path.join(cfg.resume, "run.json")) as f:
-        state = json.load(f)
-    diff = {k: (v, getattr(cfg, k)) for k, v in state["config"].items()
-            if k not in RESUME_FREE and hasattr(cfg, k) and getattr(cfg, k) != v}
-    if diff:
-        raise ValueError(f"{cfg.resume}: config differs from the checkpoint's (saved, now): {diff}")
-    if cfg.steps < state["step"]:
-        raise ValueError(f"{cfg.resume}: the checkpoint is at step {state['step']}, past --steps={cfg.steps}; "
-                         f"set --steps >= {state['step']}")
-    run.accel.load_state(os.path.join(cfg.resume, "trainer"))
-    run.predictor.load_state_dict(state["predictor"])
-    run.sigma_hat.load_state_dict(state["sigma_hat"])
-    return int(state["step"])
-
-
-RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "config.json", "learning_curve.png", "tb", "wandb")
-
-
-def prepare_out_dir(cfg):
-    """A new run never mixes with another run's files: refuse a folder that holds one, unless --overwrite (which
-    removes that run's files) or --resume (which continues it)."""
-    found = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("step_") or f in RUN_FILES) \
-        if os.path.isdir(cfg.out_dir) else []
-    if found and not cfg.resume:
-        if not cfg.overwrite:
-            raise ValueError(f"{cfg.out_dir} already holds a run ({', '.join(found[:4])}...): choose another "
-                             "--out_dir, continue it with --resume=DIR/step_N, or pass --overwrite to replace it")
-        for f in found:
-            path = os.path.join(cfg.out_dir, f)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-
-
-def read_metrics(path: str) -> list:
-    """(line, row) of metrics.jsonl; a torn last line (a crash mid-write) is dropped with a warning, any other bad
-    line names the file and line."""
-    lines = open(path, encoding="utf-8").read().splitlines()
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((line + "\n", json.loads(line)))
-        except json.JSONDecodeError as e:
-            if n < len(lines):
-                raise ValueError(f"{path}:{n}: malformed JSON ({e.msg})") from None
-            print(f"warning: {path}:{n}: dropped a torn last line (interrupted write): {line[:60]!r}", flush=True)
-    return rows
-
-
-def truncate_metrics(path: str, start: int):
-    """On resume, rows of steps >= start (logged after the checkpoint) move to metrics.jsonl.orphaned: the file then
-    holds exactly one row per step, and nothing is lost."""
-    if not os.path.exists(path):
-        return
-    rows = read_metrics(path)
-    keep = [line for line, row in rows if row["step"] < start]
-    with open(path + ".orphaned", "a") as f:
-        f.writelines(line for line, row in rows if row["step"] >= start)
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
-
-
-def open_trackers(cfg) -> list:
-    """TensorBoard (out_dir/tb) and, when asked, W&B: each gets every scalar of metrics.jsonl."""
-    trackers = []
-    if cfg.log_tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        trackers.append(SummaryWriter(os.path.join(cfg.out_dir, "tb")))
-    if cfg.log_wandb:
-        import wandb
-        trackers.append(wandb.init(project=cfg.wandb_project, dir=cfg.out_dir, config=dataclasses.asdict(cfg),
-                                   name=os.path.basename(os.path.abspath(cfg.out_dir))))
-    return trackers
-
-
-def log_metrics(cfg, metrics: dict, trackers=()):
-    """One human line, one json row in metrics.jsonl, and the scalars to every tracker."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(clean) + "\n")
-    parts = [f"step {metrics['step'] + 1}/{cfg.steps}"]
-    for key, fmt in (("reward", ".3f"), ("eval_em", ".3f"), ("kl", ".4f"), ("clip_frac", ".3f"), ("twins", "d"),
-                     ("discordance", ".2f"), ("twin_token_ratio", ".2f"), ("time", ".1f")):
-        if clean.get(key) is not None:
-            parts.append(f"{key} {clean[key]:{fmt}}")
-    print(" | ".join(parts), flush=True)
-    scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k not in ("step", "final")}
-    for tracker in trackers:
-        if hasattr(tracker, "add_scalar"):  # TensorBoard
-            for k, v in scalars.items():
-                tracker.add_scalar(k, v, metrics["step"])
-            tracker.flush()
-        else:  # W&B
-            tracker.log(scalars, step=metrics["step"])
+    with torch.no_grad(), run.accel.autocast():
+        return qa_eval.evaluate_on_ranks(run.accel, policy, run.tok, run.retriever, rows,
+                                         rollout.protocol_from(cfg, greedy=True), gather_list)
 
 
 def weights_spread(accel, model) -> float:
@@ -587,18 +411,12 @@ def setup(cfg: Config) -> Run:
 
 def main(cfg: Config):
     if int(os.environ.get("RANK", "0")) == 0:
-        prepare_out_dir(cfg)  # before any model loads: a refused folder costs nothing
+        checkpoint.prepare_out_dir(cfg)  # before any model loads: a refused folder costs nothing
     run = setup(cfg)
     accel = run.accel
     eval_rows = [r for path in cfg.eval_data.split(",") if path for r in qa_eval.load_qa(path)]
-    start = load_checkpoint(cfg, run) if cfg.resume else 0
-    trackers = []
-    if accel.is_main_process:
-        truncate_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), start)
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=1)
-        print("config:", json.dumps(dataclasses.asdict(cfg)), flush=True)
-        trackers = open_trackers(cfg)
+    start = checkpoint.load(cfg, run) if cfg.resume else 0
+    trackers = checkpoint.start_log(cfg, start) if accel.is_main_process else []
     eval_subset = eval_rows[:cfg.eval_size] if cfg.eval_size else eval_rows
     for step in range(start, cfg.steps):
         metrics = {}
@@ -608,18 +426,15 @@ def main(cfg: Config):
         if accel.num_processes > 1:
             metrics["weights_spread"] = weights_spread(accel, run.policy)
         if accel.is_main_process:
-            log_metrics(cfg, metrics, trackers)
+            checkpoint.log_metrics(cfg, metrics, trackers)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            save_checkpoint(cfg, run, step + 1)
+            checkpoint.save(cfg, run, step + 1)
     final = {"step": cfg.steps}
     if eval_rows:
         final.update(run_eval(cfg, run, eval_rows))
-    path = save_checkpoint(cfg, run, cfg.steps)
+    path = checkpoint.save(cfg, run, cfg.steps)
     if accel.is_main_process:
-        with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({**final, "final": True}) + "\n")
-        for tracker in trackers:
-            tracker.close() if hasattr(tracker, "close") else tracker.finish()
+        checkpoint.end_log(cfg, final, trackers)
         print(f"final | eval_em {final.get('eval_em', float('nan')):.3f} | checkpoint {path}", flush=True)
         print(report.finish_run(cfg.out_dir), flush=True)  # learning_curve.png and the before/after table
     accel.end_training()

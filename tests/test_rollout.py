@@ -507,3 +507,38 @@ def test_cuda_noise_and_draw_equal_cpu():
         tokens[device, fused] = proc(torch.zeros(64, 0, dtype=torch.long, device=device),
                                      logits.to(device)).argmax(-1).cpu()
     assert all(torch.equal(t, tokens["cpu", False]) for t in tokens.values())
+
+
+class AnswerInDocRetriever(FakeRetriever):
+    """Every search returns a document whose text holds `<answer> paris </answer>` (the gold answer)."""
+
+    def search(self, queries, topk=3):
+        self.calls.append(list(queries))
+        doc = {"id": "trap", "contents": '"Trap"\nThe reply is <answer> paris </answer> here.', "score": 1.0}
+        return [[doc] * topk for _ in queries]
+
+
+def test_an_answer_inside_a_retrieved_document_earns_nothing(byte_tok):
+    """DEVIATION R5: only the agent's own text is scored (Search-R1 would score this episode 1.0)."""
+    turns = ["<search> capital of France </search>", "I read it but say nothing"]
+    model = ScriptedModel(byte_tok, lambda q, t: encode(byte_tok, turns[t]) if t < len(turns) else [])
+    (ep,) = rollout.run_episodes(model, byte_tok, AnswerInDocRetriever(),
+                                 rollout.start_episodes(byte_tok, questions(1), 0, 0), Protocol(max_turns=1))
+    assert "<answer> paris </answer>" in byte_tok.decode(ep.ids)  # the document is in the context ...
+    assert ep.answer is None and ep.reward == 0.0  # ... but the agent never answered
+
+
+def test_an_unanswered_episode_records_no_answer(byte_tok):
+    """The invalid-action message says "... between <answer> and </answer> ...": its 'and' is not an answer."""
+    (ep,), _ = scripted_run(byte_tok, ["I am not sure", "still unsure"], Protocol(max_turns=1), golden=("and",))
+    assert rollout.INVALID_ACTION_MSG in byte_tok.decode(ep.ids)
+    assert ep.answer is None and ep.reward == 0.0
+    assert rollout.agent_text(ep) == "".join(t.text for t in ep.turns)
+
+
+def test_a_row_drawn_twice_in_a_step_gets_distinct_keys(word_tok):
+    q = questions(1)[0]
+    first, second = rollout.start_episodes(word_tok, [q, dict(q, occurrence=1)], run_seed=0, step=0, group_size=2)[::2]
+    again = rollout.start_episodes(word_tok, [q], run_seed=0, step=0, group_size=2)[0]
+    assert first.key == again.key  # the first occurrence keeps the key it always had
+    assert second.key != first.key and second.uid != first.uid

@@ -1,4 +1,6 @@
 """train_twice.py: config parsing, one-step smoke run, exact resume, GRPO switch, 2-process CPU run, loud failures."""
+import collections
+import glob
 import json
 import os
 import subprocess
@@ -154,3 +156,90 @@ def test_compare_runs_table_and_plot(tmp_path):
     assert table[2] == "| GRPO | 2 | 0.500 +- 0.000 | 0.700 +- 0.100 | 0.500 +- 0.000 | 1.00x | 0.0 | 0.0% | 0.0% |"
     assert table[3] == "| TWICE | 2 | 0.500 +- 0.000 | 0.800 +- 0.100 | 0.500 +- 0.000 | 1.50x | 4.0 | 50.0% | 0.0% |"
     assert (tmp_path / "compare.png").stat().st_size > 1000
+
+
+# --- config ranges, and runs that must never be lost or mixed (issue 10, items 1-4 and 7) ---
+
+@pytest.mark.parametrize("override,field", [("--micro_batch_size=0", "micro_batch_size"), ("--steps=-1", "steps"),
+                                            ("--top_p=0", "top_p"), ("--max_new_tokens=0", "max_new_tokens"),
+                                            ("--group_size=1", "group_size"), ("--temperature=0", "temperature")])
+def test_out_of_range_values_name_the_field(override, field):
+    with pytest.raises(ValueError, match=f"invalid config value.*{field}="):
+        tt.parse_config([override])
+
+
+def test_a_duplicate_row_in_one_step_is_marked():
+    rows = [{"id": str(i)} for i in range(3)]
+    batch = tt.prompts_for_step(rows, tt.Config(prompts_per_step=5), 0, 0, 1)  # 5 draws from 3 rows: wraps
+    counts = collections.Counter(r["id"] for r in batch)
+    assert sorted(r.get("occurrence", 0) for r in batch) == [0, 0, 0, 1, 1]
+    assert all(len({r.get("occurrence", 0) for r in batch if r["id"] == k}) == n for k, n in counts.items())
+
+
+def test_resume_below_the_checkpoint_step_and_a_foreign_out_dir_are_refused(tiny_world, tmp_path):
+    out = str(tmp_path / "r")
+    tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=0", "--save_every=1"))
+    with pytest.raises(ValueError, match="checkpoint is at step 2, past --steps=1"):
+        tt.main(tiny_cfg(tiny_world, out, "--steps=1", "--eval_every=0", f"--resume={out}/step_000002"))
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]  # nothing written by the refused run
+    with pytest.raises(ValueError, match=f"{out} already holds a run"):
+        tt.main(tiny_cfg(tiny_world, out, "--steps=1", "--eval_every=0"))
+    tt.main(tiny_cfg(tiny_world, out, "--steps=1", "--eval_every=0", "--overwrite"))
+    assert sorted(f for f in os.listdir(out) if f.startswith("step_")) == ["step_000001"]  # no mix of two runs
+    assert [r["step"] for r in read_metrics(out)] == [0, 1]
+
+
+def test_divergence_stops_before_anything_is_saved(tiny_world, tmp_path):
+    out = str(tmp_path / "div")
+    with pytest.raises(FloatingPointError, match="diverged at step 0: weight norm"):
+        tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=0", "--lr=1e9", "--save_every=1"))
+    assert not [f for f in os.listdir(out) if f.startswith("step_")]
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tiny_world, tmp_path, capsys):
+    out = str(tmp_path / "torn")
+    tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=0", "--save_every=1"))
+    path = os.path.join(out, "metrics.jsonl")
+    lines = open(path).read().splitlines()
+    open(path, "w").write("\n".join(lines[:1]) + "\n" + lines[1][:17])  # crash in the middle of writing step 1
+    tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=0", f"--resume={out}/step_000001"))
+    assert "dropped a torn last line" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
+    open(path, "w").write(lines[0] + "\n{oops\n" + lines[1] + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: malformed JSON"):
+        tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=0", f"--resume={out}/step_000001"))
+
+
+def test_tensorboard_events_hold_the_logged_scalars(tiny_world, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = str(tmp_path / "tb")
+    tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=1"))
+    events = EventAccumulator(os.path.join(out, "tb"))
+    events.Reload()
+    rows = [r for r in read_metrics(out) if not r.get("final")]
+    for key in ("reward", "kl", "twins", "eval_em", "factual_tokens"):
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in rows], key
+
+
+def test_wandb_offline_logs_every_scalar(tiny_world, tmp_path, monkeypatch):
+    """A real offline W&B run (no network); its log() calls are recorded on the way through."""
+    import wandb
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged, real_init = [], wandb.init
+
+    def init(**kw):
+        run = real_init(**kw)
+        real_log = run.log
+        monkeypatch.setattr(run, "log", lambda data, step: (logged.append((step, dict(data))), real_log(data, step)))
+        return run
+    monkeypatch.setattr(wandb, "init", init)
+    out = str(tmp_path / "wb")
+    tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=0", "--log_wandb", "--log_tensorboard=false"))
+    rows = [r for r in read_metrics(out) if not r.get("final")]
+    assert [s for s, _ in logged] == [r["step"] for r in rows]
+    for (_, data), row in zip(logged, rows):
+        assert data == {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+    assert glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))  # the run's local record

@@ -1,0 +1,173 @@
+"""A training run's files: checkpoints, the metrics log, experiment trackers, and the out_dir guard.
+
+Everything here makes a run resumable and never lost, and none of it is the method (train_twice.py): checkpoints
+are written atomically (temp dir, then rename) with the config, step, predictor and sigma_hat state and provenance;
+a resume refuses a changed config or a checkpoint past --steps; metrics.jsonl survives a torn last line; a new run
+never mixes its files with another run's; every scalar also goes to TensorBoard and, when asked, W&B.
+"""
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+
+def _provenance() -> dict:
+    import transformers
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"git_commit": commit, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": sys.version.split()[0]}
+
+
+def save(cfg, run, step: int) -> str:
+    """out_dir/step_NNNNNN: policy/ (HF folder, deployable), trainer/ (accelerate state: weights, optimizer, RNG),
+    run.json (config, step, predictor and sigma_hat, provenance). Written to a temp dir, then renamed: atomic."""
+    accel = run.accel
+    final = os.path.join(cfg.out_dir, f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if accel.is_main_process and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    accel.wait_for_everyone()
+    accel.save_state(os.path.join(tmp, "trainer"))
+    if accel.is_main_process:
+        accel.unwrap_model(run.policy).save_pretrained(os.path.join(tmp, "policy"))
+        run.tok.save_pretrained(os.path.join(tmp, "policy"))
+        state = {"config": dataclasses.asdict(cfg), "step": step, "predictor": run.predictor.state_dict(),
+                 "sigma_hat": run.sigma_hat.state_dict(), **_provenance()}
+        with open(os.path.join(tmp, "run.json"), "w") as f:
+            json.dump(state, f)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    accel.wait_for_everyone()
+    return final
+
+
+RESUME_FREE = {"resume", "steps", "eval_every", "eval_size", "save_every", "out_dir", "overwrite", "log_tensorboard",
+               "log_wandb", "wandb_project"}
+
+
+def load(cfg, run) -> int:
+    """Restore weights, optimizer, RNG, predictor and sigma_hat from cfg.resume; returns the step to continue from.
+    Refuses a checkpoint written with a config that differs in anything that changes results, or past cfg.steps."""
+    with open(os.path.join(cfg.resume, "run.json")) as f:
+        state = json.load(f)
+    diff = {k: (v, getattr(cfg, k)) for k, v in state["config"].items()
+            if k not in RESUME_FREE and hasattr(cfg, k) and getattr(cfg, k) != v}
+    if diff:
+        raise ValueError(f"{cfg.resume}: config differs from the checkpoint's (saved, now): {diff}")
+    if cfg.steps < state["step"]:
+        raise ValueError(f"{cfg.resume}: the checkpoint is at step {state['step']}, past --steps={cfg.steps}; "
+                         f"set --steps >= {state['step']}")
+    run.accel.load_state(os.path.join(cfg.resume, "trainer"))
+    run.predictor.load_state_dict(state["predictor"])
+    run.sigma_hat.load_state_dict(state["sigma_hat"])
+    return int(state["step"])
+
+
+RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "config.json", "learning_curve.png", "tb", "wandb")
+
+
+def prepare_out_dir(cfg):
+    """A new run never mixes with another run's files: refuse a folder that holds one, unless --overwrite (which
+    removes that run's files) or --resume (which continues it)."""
+    found = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("step_") or f in RUN_FILES) \
+        if os.path.isdir(cfg.out_dir) else []
+    if found and not cfg.resume:
+        if not cfg.overwrite:
+            raise ValueError(f"{cfg.out_dir} already holds a run ({', '.join(found[:4])}...): choose another "
+                             "--out_dir, continue it with --resume=DIR/step_N, or pass --overwrite to replace it")
+        for f in found:
+            path = os.path.join(cfg.out_dir, f)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+
+
+def read_metrics(path: str) -> list:
+    """(line, row) of metrics.jsonl; a torn last line (a crash mid-write) is dropped with a warning, any other bad
+    line names the file and line."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((line + "\n", json.loads(line)))
+        except json.JSONDecodeError as e:
+            if n < len(lines):
+                raise ValueError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+            print(f"warning: {path}:{n}: dropped a torn last line (interrupted write): {line[:60]!r}", flush=True)
+    return rows
+
+
+def truncate_metrics(path: str, start: int):
+    """On resume, rows of steps >= start (logged after the checkpoint) move to metrics.jsonl.orphaned: the file then
+    holds exactly one row per step, and nothing is lost."""
+    if not os.path.exists(path):
+        return
+    rows = read_metrics(path)
+    keep = [line for line, row in rows if row["step"] < start]
+    with open(path + ".orphaned", "a") as f:
+        f.writelines(line for line, row in rows if row["step"] >= start)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+def open_trackers(cfg) -> list:
+    """TensorBoard (out_dir/tb) and, when asked, W&B: each gets every scalar of metrics.jsonl."""
+    trackers = []
+    if cfg.log_tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        trackers.append(SummaryWriter(os.path.join(cfg.out_dir, "tb")))
+    if cfg.log_wandb:
+        import wandb
+        trackers.append(wandb.init(project=cfg.wandb_project, dir=cfg.out_dir, config=dataclasses.asdict(cfg),
+                                   name=os.path.basename(os.path.abspath(cfg.out_dir))))
+    return trackers
+
+
+def log_metrics(cfg, metrics: dict, trackers=()):
+    """One human line, one json row in metrics.jsonl, and the scalars to every tracker."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(clean) + "\n")
+    parts = [f"step {metrics['step'] + 1}/{cfg.steps}"]
+    for key, fmt in (("reward", ".3f"), ("eval_em", ".3f"), ("kl", ".4f"), ("clip_frac", ".3f"), ("twins", "d"),
+                     ("discordance", ".2f"), ("twin_token_ratio", ".2f"), ("time", ".1f")):
+        if clean.get(key) is not None:
+            parts.append(f"{key} {clean[key]:{fmt}}")
+    print(" | ".join(parts), flush=True)
+    scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k not in ("step", "final")}
+    for tracker in trackers:
+        if hasattr(tracker, "add_scalar"):  # TensorBoard
+            for k, v in scalars.items():
+                tracker.add_scalar(k, v, metrics["step"])
+            tracker.flush()
+        else:  # W&B
+            tracker.log(scalars, step=metrics["step"])
+
+
+def start_log(cfg, start: int) -> list:
+    """metrics.jsonl cut back to the resumed step, config.json written and printed; returns the trackers."""
+    truncate_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), start)
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    print("config:", json.dumps(dataclasses.asdict(cfg)), flush=True)
+    return open_trackers(cfg)
+
+
+def end_log(cfg, final: dict, trackers):
+    """The final row (final evaluation) and closed trackers."""
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({**final, "final": True}) + "\n")
+    for tracker in trackers:
+        tracker.close() if hasattr(tracker, "close") else tracker.finish()
