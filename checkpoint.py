@@ -41,6 +41,7 @@ def save(cfg, run, step: int) -> str:
         accel.unwrap_model(run.policy).save_pretrained(os.path.join(tmp, "policy"))
         run.tok.save_pretrained(os.path.join(tmp, "policy"))
         state = {"config": dataclasses.asdict(cfg), "step": step, "predictor": run.predictor.state_dict(),
+                 "method": run.method.state_dict(),
                  "sigma_hat": run.sigma_hat.state_dict(), **_provenance()}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(state, f)
@@ -70,6 +71,7 @@ def load(cfg, run) -> int:
     run.accel.load_state(os.path.join(cfg.resume, "trainer"))
     run.predictor.load_state_dict(state["predictor"])
     run.sigma_hat.load_state_dict(state["sigma_hat"])
+    run.method.load_state_dict(state["method"])
     return int(state["step"])
 
 

@@ -170,16 +170,20 @@ def turn_advantages(a_traj, a_hat, omega, sigma) -> list:
 
 def token_advantages(a_traj, a_hat, turn_spans, seq_len, omega, sigma) -> np.ndarray:
     """(N, seq_len) token advantages: turn_advantages on the sampled tokens of each turn, 0 on every other token.
-
-    turn_spans[i] = [(start, end), ...] per turn of episode i, end exclusive, increasing and non-overlapping, in
-    the episode's token coordinates; a_hat[i] = A_hat per turn (0 for an unbranched turn, which then carries
-    exactly A_traj_i). Observation and prompt tokens stay 0; the caller applies its loss mask anyway.
-    """
+    a_hat[i] = A_hat per turn (0 for an unbranched turn, which then carries exactly A_traj_i)."""
     a_traj = _np(a_traj).reshape(-1)
     if not len(a_traj) == len(a_hat) == len(turn_spans):
         raise ValueError(f"episodes: a_traj {len(a_traj)}, a_hat {len(a_hat)}, spans {len(turn_spans)}")
-    out = np.zeros((len(a_traj), seq_len))  # (N, L)
-    for i, (adv, spans) in enumerate(zip(turn_advantages(a_traj, a_hat, omega, sigma), turn_spans)):
+    return spread_over_tokens(turn_advantages(a_traj, a_hat, omega, sigma), turn_spans, seq_len)
+
+
+def spread_over_tokens(turn_adv, turn_spans, seq_len) -> np.ndarray:
+    """(N, seq_len): turn_adv[i][t] on the tokens turn_spans[i][t] = (start, end) of episode i (end exclusive,
+    increasing, non-overlapping, in the episode's token coordinates); prompt and observation tokens stay 0."""
+    if len(turn_adv) != len(turn_spans):
+        raise ValueError(f"episodes: {len(turn_adv)} advantage rows, {len(turn_spans)} span rows")
+    out = np.zeros((len(turn_adv), seq_len))  # (N, L)
+    for i, (adv, spans) in enumerate(zip(turn_adv, turn_spans)):
         if len(adv) != len(spans):
             raise ValueError(f"episode {i}: {len(adv)} turn credits but {len(spans)} turn spans")
         prev = 0

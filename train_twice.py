@@ -41,11 +41,9 @@ import checkpoint
 import config
 import credit
 import eval as qa_eval
+import methods
 import report
 import rollout
-
-TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant", "twin_tokens")
-
 
 @dataclass
 class Config:
@@ -72,8 +70,9 @@ class Config:
     top_k: int = 0                  # top-k applied before the noise; 0 = off
     gen_batch_size: int = 64        # rows per generate call
     fused_sampler: bool = False     # torch.compile the keyed sampler (GPU)
-    # --- credit (DESIGN 5) ---
-    omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (no twins are launched)
+    # --- credit (DESIGN 5, 7) ---
+    method: str = "twice"           # credit method: twice, or a baseline of methods.py (grpo, ...)
+    omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (alias of method=grpo)
     twin_budget: float = 0.7        # expected twin tokens / factual tokens (sum_t q_t c_t)
     q_min: float = 0.05             # q_min, floor of the branch probability
     twins_per_decision: int = 1     # K twins per branched decision
@@ -112,6 +111,8 @@ class Config:
         self.train_data = self.train_data or os.path.join(self.world, "train.jsonl")
         self.eval_data = self.eval_data or os.path.join(self.world, "test.jsonl")
         self.index = self.index or ("" if self.retriever_url else os.path.join(self.world, "index"))
+        if self.method == "twice" and self.omega == 0:  # --omega=0 has always meant GRPO
+            self.method = "grpo"
 
     def checks(self):
         """(field, ok, rule): every value that would otherwise fail, or silently mislead, deep inside a step."""
@@ -122,7 +123,8 @@ class Config:
         above = {"temperature": 0, "adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                 [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
-                [("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
+                [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
+                 ("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
                  ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("q_min", 0 < self.q_min <= 1, "in (0, 1]"),
                  ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"), ("omega", math.isfinite(self.omega),
                                                                           "finite")])
@@ -141,6 +143,7 @@ class Run:
     tok: object                     # tokenizer
     retriever: object               # DenseRetriever or RemoteRetriever
     opt: object                     # AdamW
+    method: methods.Method          # rollout and credit of cfg.method (methods.py); TWICE's steps 3-5 are below
     predictor: credit.DiscordancePredictor  # p_t of the budget rule
     sigma_hat: credit.RunningScale  # sigma_hat of the token advantage
     rows: list                      # training questions
@@ -261,18 +264,16 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     with torch.no_grad(), accel.autocast():
         # 1. Factual episodes: G lines per prompt, every token a keyed Gumbel-max draw.
         prompts = prompts_for_step(run.rows, cfg, step, accel.process_index, accel.num_processes)
-        episodes = rollout.start_episodes(run.tok, prompts, cfg.seed, step, G)
-        rollout.run_episodes(policy, run.tok, run.retriever, episodes, proto)
+        episodes = run.method.rollout(run, step, prompts, proto)
         rewards = np.array([ep.reward for ep in episodes])
         factual_tokens = sum(ep.n_generated for ep in episodes)
         times["rollout"] = time.time()
 
         # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
-        a_traj = credit.grpo_advantages(rewards, np.arange(len(episodes)) // G, cfg.adv_eps)
-
-        a_hat = [np.zeros(len(ep.turns)) for ep in episodes]  # A_hat per turn; stays 0 for GRPO (omega = 0)
+        a_traj = run.method.trajectory_advantages(episodes)
+        a_hat = [np.zeros(len(ep.turns)) for ep in episodes]  # A_hat per turn: 0 unless branched
         stats = {}
-        if cfg.omega != 0:
+        if cfg.method in methods.TWIN_METHODS:
             # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; a keyed uniform draws each branch.
             #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the batch's budget).
             group_success = rewards.reshape(-1, G).mean(1).repeat(G)
@@ -308,11 +309,14 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         times["twins"] = time.time()
 
         # 6. Token advantage A = A_traj + omega A_hat_t / sigma_hat on the sampled tokens of turn t.
+        if cfg.method in methods.TWIN_METHODS:
+            turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, run.sigma_hat.value)
+        else:  # GRPO and the baselines: the method's own per-turn advantage (methods.py) in place of steps 3-6
+            turn_adv, stats = run.method.turn_advantages(run, step, episodes, proto)
         batch = {k: v.to(accel.device) for k, v in rollout.collate(episodes, run.tok.pad_token_id).items()}
         # turn t's tokens sit at ep.turns[t].start..end of the response, which starts after the prompt
         spans = [[(len(ep.prompt_ids) + t.start, len(ep.prompt_ids) + t.end) for t in ep.turns] for ep in episodes]
-        adv = credit.token_advantages(a_traj, a_hat, spans, batch["input_ids"].shape[1], cfg.omega,
-                                      run.sigma_hat.value)
+        adv = credit.spread_over_tokens(turn_adv, spans, batch["input_ids"].shape[1])
         # log-prob k predicts token k + 1 (token_logprobs), so token k's advantage moves to position k - 1
         adv = torch.tensor(adv[:, 1:], dtype=torch.float32, device=accel.device)
         old_lp, ent = batch_logprobs(policy, batch, cfg, with_entropy=True)
@@ -330,9 +334,12 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     now = time.time()
     metrics = {"step": step, **batch_totals(accel, episodes, batch, ent), "lr": lr, "sigma": run.sigma_hat.value,
                "weight_norm": norm, **update}
-    if stats:
-        metrics.update(twin_stats(accel, stats["twins"], stats["n_decisions"], metrics["factual_tokens"]))
+    if "twins" in stats:
+        metrics.update(methods.twin_stats(accel, stats["twins"], stats["n_decisions"], metrics["factual_tokens"]))
         metrics.update(predictor_acc=stats["predictor_acc"], q_mean=stats["q_mean"])
+        metrics["aux_tokens"] = metrics["twin_tokens"]
+    else:
+        metrics.update(methods.reduce_stats(accel, stats))
     metrics.update({"time_rollout": times["rollout"] - times["start"],
                     "time_twins": times["twins"] - times["rollout"],
                     "time_update": now - times["twins"],
@@ -351,18 +358,6 @@ def batch_totals(accel, episodes, batch, ent) -> dict:
             "entropy": entropy / max(n_tokens, 1),
             "turns": turns / n_episodes,
             "factual_tokens": int(generated)}
-
-
-def twin_stats(accel, twins, n_decisions: int, factual_tokens: int) -> dict:
-    """The twin counters of TWIN_COUNTERS summed over ranks, and the logged rates (factual_tokens: summed)."""
-    kinds = [twin.kind for twin in twins]
-    local = [n_decisions, len(twins), kinds.count("self"), kinds.count("same_evidence"), kinds.count("rollout"),
-             sum(twin.diff != 0 for twin in twins), sum(twin.tokens for twin in twins)]
-    total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=accel.device), "sum").tolist()
-    out = {k: int(v) for k, v in zip(TWIN_COUNTERS, total)}
-    out["discordance"] = out["discordant"] / max(out["twins"], 1)
-    out["twin_token_ratio"] = out["twin_tokens"] / max(factual_tokens, 1)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -405,7 +400,7 @@ def setup(cfg: Config) -> Run:
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     policy, opt = accel.prepare(policy, opt)
     return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt,
-               credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay), qa_eval.load_qa(cfg.train_data),
+               methods.make(cfg), credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay), qa_eval.load_qa(cfg.train_data),
                n_micro, weight_norm(accel, policy))
 
 
