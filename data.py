@@ -112,22 +112,54 @@ def _as_list(gold) -> list:
     return [gold] if isinstance(gold, str) else list(gold)
 
 
+def _drop_empty_gold(rows: list, src: str) -> tuple:
+    """(rows without gold answers that normalise to nothing, ids of the rows left with no answer at all).
+    # DEVIATION D10: Search-R1 keeps gold answers such as "" or "A" (SQuAD normalisation drops articles), so an
+    empty <answer></answer> scores 1.0 on them; eval.load_qa refuses them, so conversion removes them here."""
+    from eval import normalize_answer
+    kept, dropped, trimmed = [], [], 0
+    for r in rows:
+        gold = [g for g in r["golden_answers"] if normalize_answer(g)]
+        trimmed += len(gold) < len(r["golden_answers"])
+        if gold:
+            kept.append({**r, "golden_answers": gold})
+        else:
+            dropped.append(r["id"])
+    if trimmed:
+        print(f"{src}: removed gold answers that normalise to nothing from {trimmed} row(s); dropped the "
+              f"{len(dropped)} left without an answer: {dropped[:10]}", flush=True)
+    return kept, dropped
+
+
 def _write_qa(rows: list, dest: str, src: str) -> int:
-    """Write QA rows atomically, once ids are unique and eval.load_qa (what training reads) accepts the file."""
+    """Write QA rows atomically, once ids are unique and eval.load_qa (what training reads) accepts the file. The ids
+    of rows dropped for want of a usable gold answer go to dest.dropped.json, written before dest (a rerun skips
+    dest) and counted by the row check."""
     import eval as qa_eval
     seen = set()
     for i, r in enumerate(rows):
         if r["id"] in seen:
             raise ValueError(f"{src}: row {i}: duplicate id {r['id']!r}")
         seen.add(r["id"])
+    rows, dropped = _drop_empty_gold(rows, src)
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     write_jsonl(dest + ".partial", rows)
     try:
         qa_eval.load_qa(dest + ".partial")
     except ValueError as e:
         raise ValueError(f"{src}: converted rows are not valid QA rows: {e}") from None
+    if dropped:
+        with open(dest + ".dropped.json", "w") as f:
+            json.dump(dropped, f)
     os.replace(dest + ".partial", dest)
     return len(rows)
+
+
+def _dropped(dest: str) -> list:
+    if not os.path.exists(dest + ".dropped.json"):
+        return []
+    with open(dest + ".dropped.json") as f:
+        return json.load(f)
 
 
 def convert_train(src: str, dest: str) -> int:
@@ -325,12 +357,14 @@ def prepare_searchr1(out: str, index: str = "prebuilt", encoder: str = "e5", rev
     # 3. row counts against Search-R1's, then the manifest (last: its existence means "done")
     rows = {name: count_lines(path) for name, path in made.items() if name != "index"}
     rows["val"] = count_lines(val)
-    bad = {k: f"{rows.get(k)} != {v}" for k, v in (expected_rows or {}).items() if rows.get(k) != v}
+    dropped = {name: ids for name in ["train", *SR1_TESTS] if (ids := _dropped(made[name]))}  # D10
+    bad = {k: f"{rows.get(k)} != {v}" for k, v in (expected_rows or {}).items()
+           if rows.get(k) is None or rows[k] + len(dropped.get(k, [])) != v}
     if bad:
         raise ValueError(f"row counts differ from Search-R1's data: {bad}; a changed hub revision? Pass "
                          "--skip_row_check to accept them")
     manifest = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "revision": revision, "index": index,
-                "encoder": encoder, "rows": rows,
+                "encoder": encoder, "rows": rows, "dropped_ids": dropped,
                 "sources": [{k: s[k] for k in ("name", "repo", "file", "commit", "size", "sha256", "git_sha1")}
                             for s in sources],
                 "outputs": {"train": "train.jsonl", "test": {n: f"test/{n}.jsonl" for n in SR1_TESTS},
