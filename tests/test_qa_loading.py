@@ -12,7 +12,7 @@ import data
 import eval as qa_eval
 
 # A good QA file with what real ones hold: int and str ids, a gold answer as a bare string, non-ASCII text, an
-# emoji (json.dumps writes it as a surrogate pair escape), extra fields (FlashRAG's metadata), blank lines between rows.
+# emoji (json.dumps writes it as a surrogate pair escape), extra fields (FlashRAG metadata), blank lines between rows.
 GOOD = [{"id": 0, "question": "what is the capital of Kelora", "golden_answers": ["Vantis", "vantis"],
          "data_source": "nq", "metadata": {"hops": 1}},
         {"id": "train_1", "question": "who founded Brisk Corp?", "golden_answers": "Amira Voss",
