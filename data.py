@@ -1,10 +1,13 @@
 """Preparation of the real datasets (DESIGN.md section 10); the built-in worlds are tinyworld.py.
 
 Real datasets (`searchr1`, DESIGN.md section 10; `make reproduce-3b` runs it): Search-R1's NQ + HotpotQA training
-set, the seven FlashRAG test sets, wiki-18 and its prebuilt E5 flat index from the Hugging Face hub, resumable and
-checksummed, converted to the QA schema of tinyworld.py (`id`, `question`,
-`golden_answers`, `data_source`); see the comment above SR1_TRAIN. DEVIATION: training-time evaluation uses
-val.jsonl (100 questions per test set); final policies are scored on every question by eval.py.
+set, the seven FlashRAG test sets, wiki-18 and its prebuilt E5 flat index from the Hugging Face hub (downloaded by
+huggingface_hub.hf_hub_download at a pinned commit, then checked against the hub's checksums), converted to the QA
+schema of tinyworld.py (`id`, `question`, `golden_answers`, `data_source`); see the comment above SR1_TRAIN. A rerun
+skips every finished step and file; a transfer that breaks is continued from where it stopped inside
+hf_hub_download, but a file whose download was abandoned (process killed, every retry failed) starts over.
+DEVIATION: training-time evaluation uses val.jsonl (100 questions per test set); final policies are scored on every
+question by eval.py.
 
 Launch:
   python data.py searchr1 --out data/searchr1                         # ~80 GB download (corpus + index)
@@ -26,7 +29,8 @@ from eval import write_jsonl
 #   wiki-18.jsonl          the corpus; e5_Flat.index the prebuilt E5 flat index (joined from its parts);
 #   index/                 retriever.py's folder for it (describe_prebuilt), or one encoded here (--index build)
 #   manifest.json          sources (repo, commit, checksum), outputs and row counts; written last = "done"
-#   raw/                   the downloads; the big ones (corpus .gz, index parts) are deleted once converted
+#   raw/{repo}/            the downloads (hf_hub_download's local_dir; its records in .cache/huggingface); the big
+#                          ones (corpus .gz, index parts) are deleted once converted
 # Sources, checked against Search-R1 (github PeterGriffinJin/Search-R1: scripts/download.py, README "cat part_*",
 # scripts/nq_hotpotqa/README.md, scripts/data_process/qa_search_{train,test}_merge.py) and FlashRAG's dataset card.
 SR1_TRAIN = ("PeterJinGo/nq_hotpotqa_train", "train.parquet")  # hub dataset repo, file
@@ -39,7 +43,7 @@ SR1_ROWS = {"train": 169_615, "nq": 3_610, "triviaqa": 11_313, "popqa": 14_267, 
             "2wikimultihopqa": 12_576, "musique": 2_417, "bamboogle": 125, "corpus": 21_015_324}  # DPR psgs_w100
 CORPUS_GZ_RATIO = 3.5  # disk estimate of wiki-18.jsonl from its .gz size (English text gzips ~3x; rounded up)
 VAL_PER_SOURCE = 100   # questions per test set in val.jsonl
-RETRY_WAIT = 5.0       # seconds before the first automatic resume of a broken download (then 2x, 3x, ...)
+RETRY_WAIT = 5.0       # seconds before the first automatic retry of a failed download (then 2x, 3x, ...)
 GiB = 1 << 30
 
 
@@ -58,75 +62,49 @@ def hub_info(repo_id: str, filenames: list, revision: str = "main", endpoint=Non
                         "git_sha1": None if found[f].lfs else found[f].blob_id} for f in filenames}
 
 
-def hub_fetch(repo_id: str, filename: str, dest: str, revision: str = "main", endpoint=None):
-    """Download a file of a hub dataset repo to `dest`; a partial `dest` is continued with an HTTP Range request."""
-    import requests
-    from huggingface_hub import hf_hub_url
-    from huggingface_hub.utils import build_hf_headers
-    from tqdm import tqdm
-    url = hf_hub_url(repo_id, filename, repo_type="dataset", revision=revision, endpoint=endpoint)
-    have = os.path.getsize(dest) if os.path.exists(dest) else 0
-    headers = build_hf_headers()
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    with requests.get(url, headers=headers, stream=True, timeout=60) as r:
-        if r.status_code == 416:  # nothing after `have`: the partial file is already whole
-            return
-        r.raise_for_status()
-        if have and r.status_code != 206:  # the server ignored the range and sends everything: start over
-            have = 0
-        total = have + int(r.headers.get("Content-Length", 0))
-        with open(dest, "ab" if have else "wb") as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
-                                                           desc=f"{repo_id}/{filename}") as bar:
-            for chunk in r.iter_content(1 << 20):
-                f.write(chunk)
-                bar.update(len(chunk))
+def hub_fetch(repo_id: str, filename: str, local_dir: str, revision: str, endpoint=None) -> str:
+    """huggingface_hub.hf_hub_download of a hub dataset file at `revision` -> its path, local_dir/filename.
+    It retries a broken transfer inside the call (HTTP Range from where it stopped, or Xet's chunked transfer when
+    hf-xet is installed), checks the size, writes under a temporary name and renames, so a file under its name is
+    whole; a file already in local_dir at this commit (its record in local_dir/.cache/huggingface) is not fetched."""
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download(repo_id, filename, repo_type="dataset", revision=revision, local_dir=local_dir,
+                           endpoint=endpoint)
 
 
 def file_digest(path: str, kind: str) -> str:
-    """Streamed "sha256" of a file, or its "git_sha1" (git blob id: sha1 of b"blob {size}\\0" + bytes)."""
-    import hashlib
-    from tqdm import tqdm
-    size = os.path.getsize(path)
-    h = hashlib.sha256() if kind == "sha256" else hashlib.sha1(b"blob %d\0" % size)
-    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"check {os.path.basename(path)}",
-                                     disable=size < GiB) as bar:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-            bar.update(len(block))
-    return h.hexdigest()
+    """The hub's checksum of a local file: "sha256" (LFS files) or "git_sha1" (git blob id of a small git file),
+    computed by huggingface_hub's own helpers (those of `hf cache verify`)."""
+    from huggingface_hub.utils.sha import git_hash, sha_fileobj
+    with open(path, "rb") as f:
+        return sha_fileobj(f).hex() if kind == "sha256" else git_hash(f.read())  # git files are <= 10 MB
 
 
-def fetch_verified(fetch, src: dict, retries: int = 3):
-    """src["repo"]/src["file"]@src["commit"] -> src["path"] through src["path"].partial (resumed if present), checked
-    against the hub's size and checksum (src) before the rename: a file under its final name is whole and verified.
-    A broken transfer is resumed up to `retries` times (after RETRY_WAIT x attempt seconds) before giving up."""
-    partial, where, meta = src["path"] + ".partial", f"{src['repo']}/{src['file']}", src
-    os.makedirs(os.path.dirname(partial), exist_ok=True)
+def fetch_verified(fetch, src: dict, retries: int = 3) -> str:
+    """src["repo"]/src["file"]@src["commit"] -> src["path"] through fetch(repo, file, local_dir, commit), then
+    checked against the hub's checksum (src["sha256"] or src["git_sha1"]): hf_hub_download only checks the size of
+    what it fetched over HTTP. A failed call is retried `retries` times (after RETRY_WAIT x attempt seconds); the
+    library has then already retried the broken transfer from where it stopped."""
+    where, local_dir = f"{src['repo']}/{src['file']}", src["path"][:-len(src["file"])]
     for attempt in range(retries + 1):
         try:
-            fetch(src["repo"], src["file"], partial, src["commit"])
-            size = os.path.getsize(partial) if os.path.exists(partial) else 0
-            if size < meta["size"]:  # the stream ended early without an error: resume like a broken one
-                raise IOError(f"the transfer stopped at byte {size} of {meta['size']}")
+            path = fetch(src["repo"], src["file"], local_dir, src["commit"])
             break
         except Exception as e:
             if attempt == retries:
-                raise IOError(f"{where}: download interrupted ({type(e).__name__}: {e}); {partial} is kept, rerun "
-                              "to resume") from e
-            print(f"{where}: {type(e).__name__}: {e}; resuming (retry {attempt + 1}/{retries})", flush=True)
+                raise IOError(f"{where}: download interrupted ({type(e).__name__}: {e}); finished files are kept, "
+                              "rerun to continue") from e
+            print(f"{where}: {type(e).__name__}: {e}; retrying (retry {attempt + 1}/{retries})", flush=True)
             time.sleep(RETRY_WAIT * (attempt + 1))
-    if size > meta["size"]:
-        os.remove(partial)
-        raise IOError(f"{where}: downloaded {size} bytes to {partial}, the hub says {meta['size']}; the download "
-                      "was deleted, rerun to fetch it again")
-    kind = "sha256" if meta.get("sha256") else "git_sha1"
-    got = file_digest(partial, kind)
-    if got != meta[kind]:
-        os.remove(partial)
-        raise ValueError(f"{where}: {kind} checksum mismatch in {partial} (got {got}, the hub says {meta[kind]}); "
+    kind = "sha256" if src.get("sha256") else "git_sha1"
+    if src["size"] > GiB:
+        print(f"{where}: checking its {kind} ({src['size'] / GiB:.1f} GiB)", flush=True)
+    got = file_digest(path, kind)
+    if got != src[kind]:
+        os.remove(path)
+        raise ValueError(f"{where}: {kind} checksum mismatch in {path} (got {got}, the hub says {src[kind]}); "
                          "the corrupt download was deleted, rerun to fetch it again")
-    os.replace(partial, src["path"])
+    return path
 
 
 def _as_list(gold) -> list:
@@ -134,22 +112,54 @@ def _as_list(gold) -> list:
     return [gold] if isinstance(gold, str) else list(gold)
 
 
+def _drop_empty_gold(rows: list, src: str) -> tuple:
+    """(rows without gold answers that normalise to nothing, ids of the rows left with no answer at all).
+    # DEVIATION D10: Search-R1 keeps gold answers such as "" or "A" (SQuAD normalisation drops articles), so an
+    empty <answer></answer> scores 1.0 on them; eval.load_qa refuses them, so conversion removes them here."""
+    from eval import normalize_answer
+    kept, dropped, trimmed = [], [], 0
+    for r in rows:
+        gold = [g for g in r["golden_answers"] if normalize_answer(g)]
+        trimmed += len(gold) < len(r["golden_answers"])
+        if gold:
+            kept.append({**r, "golden_answers": gold})
+        else:
+            dropped.append(r["id"])
+    if trimmed:
+        print(f"{src}: removed gold answers that normalise to nothing from {trimmed} row(s); dropped the "
+              f"{len(dropped)} left without an answer: {dropped[:10]}", flush=True)
+    return kept, dropped
+
+
 def _write_qa(rows: list, dest: str, src: str) -> int:
-    """Write QA rows atomically, once ids are unique and eval.load_qa (what training reads) accepts the file."""
+    """Write QA rows atomically, once ids are unique and eval.load_qa (what training reads) accepts the file. The ids
+    of rows dropped for want of a usable gold answer go to dest.dropped.json, written before dest (a rerun skips
+    dest) and counted by the row check."""
     import eval as qa_eval
     seen = set()
     for i, r in enumerate(rows):
         if r["id"] in seen:
             raise ValueError(f"{src}: row {i}: duplicate id {r['id']!r}")
         seen.add(r["id"])
+    rows, dropped = _drop_empty_gold(rows, src)
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     write_jsonl(dest + ".partial", rows)
     try:
         qa_eval.load_qa(dest + ".partial")
     except ValueError as e:
         raise ValueError(f"{src}: converted rows are not valid QA rows: {e}") from None
+    if dropped:
+        with open(dest + ".dropped.json", "w") as f:
+            json.dump(dropped, f)
     os.replace(dest + ".partial", dest)
     return len(rows)
+
+
+def _dropped(dest: str) -> list:
+    if not os.path.exists(dest + ".dropped.json"):
+        return []
+    with open(dest + ".dropped.json") as f:
+        return json.load(f)
 
 
 def convert_train(src: str, dest: str) -> int:
@@ -281,9 +291,10 @@ def prepare_searchr1(out: str, index: str = "prebuilt", encoder: str = "e5", rev
     """Download, check and convert Search-R1's data into `out` (layout at the top of this section); resumable.
 
     index: "prebuilt" (Search-R1's E5 flat index, joined from its parts), "build" (encode the corpus here with
-    `encoder`, retriever.build_index) or "none". fetch(repo, file, dest, revision) and info(repo, files, revision)
-    -> (commit, {file: {size, sha256, git_sha1}}) default to the hub (hub_fetch, hub_info); tests pass stand-ins.
-    expected_rows: {output: rows} to check (None: no check); retries: automatic resumes of a broken download.
+    `encoder`, retriever.build_index) or "none". fetch(repo, file, local_dir, revision) -> path and
+    info(repo, files, revision) -> (commit, {file: {size, sha256, git_sha1}}) default to the hub (hub_fetch,
+    hub_info); tests pass stand-ins.
+    expected_rows: {output: rows} to check (None: no check); retries: automatic retries of a failed download.
     Returns the manifest."""
     import retriever
     if index not in ("prebuilt", "build", "none"):
@@ -312,8 +323,7 @@ def prepare_searchr1(out: str, index: str = "prebuilt", encoder: str = "e5", rev
                                        or (s["name"] == "index" and joining))]
     by = {s["name"]: s for s in sources if s["name"] != "index"}
     gz, parts = by["corpus"], [s for s in sources if s["name"] == "index"]
-    have = [os.path.getsize(s["path"] + ".partial") if os.path.exists(s["path"] + ".partial") else 0 for s in todo]
-    need = {"downloads": sum(s["size"] for s in todo) - sum(have),
+    need = {"downloads": sum(s["size"] for s in todo),
             "wiki-18.jsonl": 0 if os.path.exists(corpus) else int(CORPUS_GZ_RATIO * gz["size"]),
             "index join": 0 if not parts or os.path.exists(index_file) else  # the part being appended + its copy
             (sum if keep_downloads else max)(p["size"] for p in parts)}
@@ -347,12 +357,14 @@ def prepare_searchr1(out: str, index: str = "prebuilt", encoder: str = "e5", rev
     # 3. row counts against Search-R1's, then the manifest (last: its existence means "done")
     rows = {name: count_lines(path) for name, path in made.items() if name != "index"}
     rows["val"] = count_lines(val)
-    bad = {k: f"{rows.get(k)} != {v}" for k, v in (expected_rows or {}).items() if rows.get(k) != v}
+    dropped = {name: ids for name in ["train", *SR1_TESTS] if (ids := _dropped(made[name]))}  # D10
+    bad = {k: f"{rows.get(k)} != {v}" for k, v in (expected_rows or {}).items()
+           if rows.get(k) is None or rows[k] + len(dropped.get(k, [])) != v}
     if bad:
         raise ValueError(f"row counts differ from Search-R1's data: {bad}; a changed hub revision? Pass "
                          "--skip_row_check to accept them")
     manifest = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "revision": revision, "index": index,
-                "encoder": encoder, "rows": rows,
+                "encoder": encoder, "rows": rows, "dropped_ids": dropped,
                 "sources": [{k: s[k] for k in ("name", "repo", "file", "commit", "size", "sha256", "git_sha1")}
                             for s in sources],
                 "outputs": {"train": "train.jsonl", "test": {n: f"test/{n}.jsonl" for n in SR1_TESTS},

@@ -12,37 +12,82 @@ The paper's table from result files is report.py's (`python report.py paper GRPO
 """
 import json
 import os
+import re
+import string
 from dataclasses import dataclass
 
 import config
 import rollout
+from rollout import normalize_answer
 
 QA_FIELDS = ("id", "question", "golden_answers", "data_source")
 
 
-def _check_row(row, where: str) -> dict:
+# A character that normalize_answer keeps whatever surrounds it (not punctuation, whitespace or a letter of a/an/the):
+# it settles most answers without normalize_answer, which is ~20 us an answer (0.7 s for 20k rows of two answers)
+_SURELY_NONEMPTY = re.compile(r"[^\santhe" + re.escape(string.punctuation) + "]")
+
+
+def _lone_surrogate(text: str):
+    """Position of a lone UTF-16 surrogate in text, else None. The JSON escape "\ud800" without its low half survives
+    json.loads but not UTF-8 encoding, which the tokenizer does at the step that samples the row."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _refuse_lone_surrogates(row: dict):
+    texts = [(field, t) for field, v in row.items() for t in (v if isinstance(v, list) else [v])]
+    if _lone_surrogate("".join(t for _, t in texts)) is None:  # one encode per row; locate only when there is one
+        return
+    field, text = next((field, t) for field, t in texts if _lone_surrogate(t) is not None)
+    at = _lone_surrogate(text)
+    raise ValueError(f"field {field!r} has a lone surrogate \\u{ord(text[at]):04x} at character {at} "
+                     f"({text[max(0, at - 20):at]!r}...): an invalid JSON \\u escape, which cannot be encoded as "
+                     "UTF-8 and would crash training when the row is sampled; fix the text")
+
+
+def _check_row(row) -> dict:
+    """A QA row -> {id, question, golden_answers, data_source}, or ValueError saying what is wrong and how to fix it
+    (the caller prefixes file:line)."""
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    missing = [k for k in QA_FIELDS if k not in row]
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    missing = [k for k in QA_FIELDS if row.get(k) is None]  # `datasets` fills a key that a row lacks with None
     if missing:
-        raise ValueError(f"{where}: missing field(s) {missing}; a QA row needs {list(QA_FIELDS)}")
+        raise ValueError(f"missing field(s) {missing}; a QA row needs {list(QA_FIELDS)}")
     gold = row["golden_answers"]
-    if hasattr(gold, "tolist"):  # parquet list columns arrive as numpy arrays
+    if hasattr(gold, "tolist"):  # parquet list columns may arrive as numpy arrays
         gold = gold.tolist()
     if isinstance(gold, str):
         gold = [gold]
     if not isinstance(gold, list) or not gold or not all(isinstance(g, str) for g in gold):
-        raise ValueError(f"{where}: field 'golden_answers' must be a non-empty list of strings, got {gold!r}")
+        raise ValueError(f"field 'golden_answers' must be a non-empty list of strings, got {gold!r}")
     if not isinstance(row["question"], str) or not row["question"].strip():
-        raise ValueError(f"{where}: field 'question' must be a non-empty string")
-    return {"id": str(row["id"]), "question": row["question"], "golden_answers": gold,
-            "data_source": str(row["data_source"])}
+        raise ValueError("field 'question' must be a non-empty string")
+    out = {"id": str(row["id"]), "question": row["question"], "golden_answers": gold,
+           "data_source": str(row["data_source"])}
+    _refuse_lone_surrogates(out)
+    # DEVIATION E10: Search-R1 keeps such answers; an empty <answer></answer> would then score 1.0 (exact_match)
+    empty = [g for g in gold if not _SURELY_NONEMPTY.search(g.lower()) and not normalize_answer(g)]
+    if empty:
+        raise ValueError(f"golden answer(s) {empty} normalise to an empty string (lowercase, no punctuation, no "
+                         "a/an/the), so an empty answer would score 1.0: remove them from 'golden_answers' (or drop "
+                         "the row if no answer is left)")
+    return out
 
 
 def read_jsonl(path: str):
-    """Yield (line number, parsed object) of a jsonl file, skipping blank lines; a malformed line names file:line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """Yield (line number, parsed object) of a jsonl file, skipping blank lines; a malformed line or one that is not
+    UTF-8 names file:line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of "
+                                 "the line); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
             if not line.strip():
                 continue
             try:
@@ -58,20 +103,61 @@ def write_jsonl(path: str, rows):
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def load_qa(path: str) -> list:
-    """Load QA rows (`id`, `question`, `golden_answers`, `data_source`) from a .jsonl or .parquet file.
+def _datasets_records(path: str, kind: str) -> list:
+    """The records of a "json" (jsonl) or "parquet" file, read by `datasets` (Arrow) into memory. Its cache goes to a
+    temporary folder that is deleted at once, so loading leaves nothing in ~/.cache."""
+    import tempfile
+    import datasets
+    datasets.disable_progress_bars()  # a bar per small file would drown the training log
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors are reported by load_qa, with line
+    try:
+        with tempfile.TemporaryDirectory(prefix="qa-cache-") as cache:
+            ds = datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True)
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    return ds.to_list()
 
-    A malformed row raises ValueError naming the file and the line (jsonl, 1-based) or row (parquet, 0-based).
+
+def _nonblank_lineno(path: str, index: int) -> int:
+    """1-based line number of the index-th (0-based) non-blank line: the line of `datasets`' row `index`."""
+    with open(path, "rb") as f:
+        rows = (lineno for lineno, raw in enumerate(f, 1) if raw.strip())
+        return next(lineno for i, lineno in enumerate(rows) if i == index)
+
+
+def load_qa(path: str) -> list:
+    """Load QA rows (`id`, `question`, `golden_answers`, `data_source`) from a .jsonl or .parquet file, through
+    `datasets`, each row checked by _check_row.
+
+    A bad row raises ValueError naming the file and the line (jsonl, 1-based) or row (parquet, 0-based). Arrow's JSON
+    errors name neither a line nor a byte (nor does it accept what Python's json does: a lone surrogate escape), so
+    when `datasets` fails on a jsonl file, the file is read again line by line to name the bad line.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"QA file not found: {path}")
-    rows = []
-    if path.endswith(".parquet"):
-        import pandas as pd
-        for i, row in enumerate(pd.read_parquet(path).to_dict("records")):
-            rows.append(_check_row(row, f"{path}: row {i}"))
+    kind = "parquet" if path.endswith(".parquet") else "json"
+    try:
+        records = _datasets_records(path, kind)
+    except Exception as e:
+        if kind == "parquet":
+            raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+        rows = []
+        for lineno, row in read_jsonl(path):
+            try:
+                rows.append(_check_row(row))
+            except ValueError as bad:
+                raise ValueError(f"{path}:{lineno}: {bad}") from None
+        if rows:  # every line is a good row: `datasets` failed on something else (e.g. mixed types of extra fields)
+            print(f"{path}: read line by line (datasets: {type(e).__name__}: {str(e)[:200]})", flush=True)
     else:
-        rows = [_check_row(row, f"{path}:{lineno}") for lineno, row in read_jsonl(path)]
+        rows = []
+        for i, row in enumerate(records):
+            try:
+                rows.append(_check_row(row))
+            except ValueError as bad:
+                where = f"{path}: row {i}" if kind == "parquet" else f"{path}:{_nonblank_lineno(path, i)}"
+                raise ValueError(f"{where}: {bad}") from None
     if not rows:
         raise ValueError(f"{path}: no QA rows")
     return rows

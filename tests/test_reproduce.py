@@ -88,8 +88,10 @@ def _meta(blob: bytes, lfs: bool) -> dict:
 
 
 class FakeHub:
-    """Injected fetch/info: serves {root}/{repo}/{file}; bamboogle's file is a plain git file (git_sha1 only).
-    fail={file: n}: the download of `file` breaks after its n-th byte (once); corrupt: files that arrive damaged."""
+    """Injected fetch/info that behave like hf_hub_download at its boundary: a file appears whole under its name in
+    local_dir, or the call raises and leaves nothing (hf_hub_download deletes its temporary file). Serves
+    {root}/{repo}/{file}; bamboogle's file is a plain git file (git_sha1 only). fail={file: n}: the download of
+    `file` breaks once (the n bytes that came are lost with the call); corrupt: files that arrive damaged."""
 
     def __init__(self, root, fail=None, corrupt=()):
         self.root, self.fail, self.corrupt, self.calls = root, dict(fail or {}), set(corrupt), []
@@ -102,17 +104,18 @@ class FakeHub:
         assert revision == "main"
         return COMMIT, {f: _meta(self.blob(repo, f), lfs=not f.startswith("bamboogle/")) for f in files}
 
-    def fetch(self, repo, file, dest, revision):
+    def fetch(self, repo, file, local_dir, revision):
         assert revision == COMMIT  # downloads are pinned to the commit the checksums came from
-        blob, have = self.blob(repo, file), os.path.getsize(dest) if os.path.exists(dest) else 0
-        self.calls.append((file, have))
+        blob, dest = self.blob(repo, file), os.path.join(local_dir, file)
+        self.calls.append((file, os.path.exists(dest)))
         if file in self.corrupt:
             blob = blob[:-2] + bytes([blob[-2] ^ 1]) + blob[-1:]
-        stop = self.fail.pop(file, None)
-        with open(dest, "ab") as f:
-            f.write(blob[have:stop])
-        if stop is not None:
+        if self.fail.pop(file, None) is not None:
             raise ConnectionError("connection reset by peer")
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with open(dest, "wb") as f:
+            f.write(blob)
+        return dest
 
 
 @pytest.fixture(scope="module")
@@ -141,18 +144,18 @@ def test_searchr1_resumes_an_interrupted_download_and_converts_everything(hub, t
     root, blob = hub
     out = str(tmp_path / "sr1")
     broken = FakeHub(root, fail={"part_ab": 100})
-    with pytest.raises(IOError, match=f"{INDEX_REPO}/part_ab: download interrupted .*rerun to resume"):
+    with pytest.raises(IOError, match=f"{INDEX_REPO}/part_ab: download interrupted .*rerun to continue"):
         data.prepare_searchr1(out, fetch=broken.fetch, info=broken.info, expected_rows=None, val_per_source=2,
                               retries=0)
     raw = os.path.join(out, "raw", INDEX_REPO.replace("/", "__"))
-    assert os.path.getsize(os.path.join(raw, "part_ab.partial")) == 100
-    assert os.path.exists(os.path.join(raw, "part_aa")) and not os.path.exists(os.path.join(out, "manifest.json"))
+    assert os.path.exists(os.path.join(raw, "part_aa")) and not os.path.exists(os.path.join(raw, "part_ab"))
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
     assert len(broken.calls) == 1 + len(data.SR1_TESTS) + 1 + 2  # train, tests, corpus, two parts
 
     monkeypatch.setattr(data, "RETRY_WAIT", 0.0)
-    again = FakeHub(root, fail={"part_ab": 150})  # breaks once more: resumed within the run this time
+    again = FakeHub(root, fail={"part_ab": 150})  # breaks once more: retried within the run this time
     manifest = data.prepare_searchr1(out, fetch=again.fetch, info=again.info, expected_rows=ROWS, val_per_source=2)
-    assert again.calls == [("part_ab", 100), ("part_ab", 150)]  # finished files skipped, the broken one continued
+    assert again.calls == [("part_ab", False), ("part_ab", False)]  # finished files skipped, the broken one again
 
     train = _lines(os.path.join(out, "train.jsonl"))
     assert [r["id"] for r in train] == [f"{s}_train_{i}" for s in ("nq", "hotpotqa") for i in range(3)]  # no clash
@@ -188,7 +191,7 @@ def test_searchr1_checksum_mismatch_names_the_file(hub, tmp_path, file, kind):
     with pytest.raises(ValueError, match=f"{data.FLASHRAG}/{file}: {kind} checksum mismatch in .*rerun"):
         data.prepare_searchr1(out, index="none", fetch=fake.fetch, info=fake.info, expected_rows=None)
     local = os.path.join(out, "raw", data.FLASHRAG.replace("/", "__"), file)
-    assert not os.path.exists(local) and not os.path.exists(local + ".partial")  # the corrupt bytes are gone
+    assert not os.path.exists(local)  # the corrupt bytes are gone
 
 
 def test_searchr1_checks_disk_space_first_and_row_counts_last(hub, tmp_path):
@@ -203,33 +206,48 @@ def test_searchr1_checks_disk_space_first_and_row_counts_last(hub, tmp_path):
 
 
 class _LocalHub(BaseHTTPRequestHandler):
-    """The three hub endpoints our code reaches: dataset revision info, paths-info, and resolve (with Range)."""
-    root, ranges = None, []
+    """The hub endpoints our code reaches: dataset revision info and paths-info (hub_info), and resolve, HEAD (file
+    metadata: commit, etag, size) and GET with Range (hf_hub_download). break_at={file: n}: the first GET of `file`
+    stops after byte n and closes the connection, as a dropped transfer does."""
+    root, ranges, break_at = None, [], {}
 
     def _repo_path(self, prefix, sep):
         repo, _, rest = urllib.parse.unquote(urllib.parse.urlparse(self.path).path)[len(prefix):].partition(sep)
         return repo, rest
 
-    def _send(self, code, body: bytes, headers=()):
+    def _send(self, code, body: bytes, headers=(), length=None):
         self.send_response(code)
         for k, v in headers:
             self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(len(body) if length is None else length))
         self.end_headers()
         self.wfile.write(body)
+
+    def _file(self):
+        repo, rest = self._repo_path("/datasets/", "/resolve/")
+        file = rest.partition("/")[2]
+        blob = open(os.path.join(self.root, repo, file), "rb").read()
+        m = _meta(blob, lfs=file != "bamboogle/test.jsonl")  # the hub's etag: sha256 of LFS files, else blob id
+        return file, blob, [("X-Repo-Commit", COMMIT), ("ETag", f'"{m["sha256"] or m["git_sha1"]}"')]
+
+    def do_HEAD(self):
+        _, blob, headers = self._file()
+        self._send(200, b"", headers, length=len(blob))
 
     def do_GET(self):
         if self.path.startswith("/api/datasets/"):
             repo, _ = self._repo_path("/api/datasets/", "/revision/")
             return self._send(200, json.dumps({"id": repo, "sha": COMMIT}).encode())
-        repo, rest = self._repo_path("/datasets/", "/resolve/")
-        file = rest.partition("/")[2]
-        blob = open(os.path.join(self.root, repo, file), "rb").read()
-        start = int(self.headers["Range"][len("bytes="):-1]) if self.headers.get("Range") else 0
+        file, blob, headers = self._file()
+        start = int(self.headers["Range"][len("bytes="):].split("-")[0]) if self.headers.get("Range") else 0
         self.ranges.append((file, self.headers.get("Range")))
         if start >= len(blob):
             return self._send(416, b"")
-        self._send(206 if start else 200, blob[start:])
+        if start:
+            headers.append(("Content-Range", f"bytes {start}-{len(blob) - 1}/{len(blob)}"))
+        stop = self.break_at.pop(file, len(blob))  # a dropped transfer: fewer bytes than Content-Length promises
+        self._send(206 if start else 200, blob[start:stop], headers, length=len(blob) - start)
+        self.close_connection = True
 
     def do_POST(self):
         repo, _ = self._repo_path("/api/datasets/", "/paths-info/")
@@ -248,11 +266,13 @@ class _LocalHub(BaseHTTPRequestHandler):
 
 
 def test_hub_code_downloads_resumes_and_verifies_over_http(hub, tmp_path, monkeypatch):
-    """hub_info / hub_fetch (huggingface_hub's API client and URLs, HTTP Range resume) against a local hub."""
+    """hub_info (huggingface_hub's API client) and hub_fetch (hf_hub_download: HEAD, GET, Range resume of a dropped
+    transfer inside the call, local_dir records) against a local hub, then the whole preparation through them."""
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the tests' default; this hub is local
+    monkeypatch.setattr(huggingface_hub.constants, "DOWNLOAD_CHUNK_SIZE", 16)  # so the bytes before a drop are kept
     root, blob = hub
-    handler = type("Hub", (_LocalHub,), {"root": root, "ranges": []})
+    handler = type("Hub", (_LocalHub,), {"root": root, "ranges": [], "break_at": {"part_aa": 50}})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{server.server_port}"
@@ -264,18 +284,19 @@ def test_hub_code_downloads_resumes_and_verifies_over_http(hub, tmp_path, monkey
         with pytest.raises(FileNotFoundError, match="has no file.*part_zz"):
             data.hub_info(INDEX_REPO, ["part_aa", "part_zz"], endpoint=endpoint)
 
-        dest = str(tmp_path / "part_aa.partial")
-        with open(dest, "wb") as f:
-            f.write(blob[:50])
-        data.hub_fetch(INDEX_REPO, "part_aa", dest, COMMIT, endpoint=endpoint)
-        data.hub_fetch(INDEX_REPO, "part_aa", dest, COMMIT, endpoint=endpoint)  # whole already: 416, untouched
-        assert open(dest, "rb").read() == blob[:len(blob) // 2]
-        assert handler.ranges[-2:] == [("part_aa", "bytes=50-"), ("part_aa", f"bytes={len(blob) // 2}-")]
+        local = str(tmp_path / "raw")
+        path = data.hub_fetch(INDEX_REPO, "part_aa", local, COMMIT, endpoint=endpoint)
+        assert path == os.path.join(local, "part_aa") and open(path, "rb").read() == blob[:len(blob) // 2]
+        (first, r1), (again, r2) = handler.ranges
+        assert first == again == "part_aa" and r1 is None and r2 == "bytes=48-"  # continued after the drop
+        assert data.hub_fetch(INDEX_REPO, "part_aa", local, COMMIT, endpoint=endpoint) == path
+        assert len(handler.ranges) == 2  # in local_dir at this commit already: not fetched again
 
         out = str(tmp_path / "sr1")  # the whole preparation through the real hub code
         data.prepare_searchr1(out, fetch=functools.partial(data.hub_fetch, endpoint=endpoint),
                               info=functools.partial(data.hub_info, endpoint=endpoint), expected_rows=ROWS)
         assert open(os.path.join(out, "e5_Flat.index"), "rb").read() == blob
+        assert [f for f, _ in handler.ranges[2:]].count("part_ab") == 1
     finally:
         server.shutdown()
         server.server_close()
