@@ -147,7 +147,8 @@ def check_queries(queries, max_queries: int = MAX_QUERIES) -> list:
         try:
             query.encode("utf-8")
         except UnicodeEncodeError:  # DEVIATION S11: the tokenizer would fail (Search-R1: 500, and clients retry)
-            raise ValueError(f"field 'queries'[{i}] is not valid Unicode (a lone surrogate?): {query[:40]!r}") from None
+            raise ValueError(f"field 'queries'[{i}] is not valid Unicode (a lone surrogate?): "
+                             f"{query[:40]!r}") from None
     return list(queries)
 
 
@@ -753,7 +754,7 @@ def search_r1_index_dir(index_path: str, corpus: str, encoder: str, retriever_na
     if os.path.exists(os.path.join(out, META_FILE)):
         with open(os.path.join(out, META_FILE)) as f:
             meta = json.load(f)
-        if (meta["index_file"], meta["encoder"], meta["query_prefix"], meta["passage_prefix"], meta["corpus"]) == wanted:
+        if tuple(meta[k] for k in ("index_file", "encoder", "query_prefix", "passage_prefix", "corpus")) == wanted:
             return out
     describe_prebuilt(index_path, corpus, encoder, out_dir=out, query_prefix=prefixes[0], passage_prefix=prefixes[1])
     return out
@@ -761,8 +762,8 @@ def search_r1_index_dir(index_path: str, corpus: str, encoder: str, retriever_na
 
 # --- load test of a server (README "Retriever server reliability") ---
 
-BENCH_WORDS = ("who founded the city river king painter ship festival language mountain when was born where is capital "
-               "of first second largest oldest famous author song film country which year did").split()
+BENCH_WORDS = ("who founded the city river king painter ship festival language mountain when was born where is "
+               "capital of first second largest oldest famous author song film country which year did").split()
 
 
 def bench_queries(n: int, tag: str, seed: int = 0) -> list:
@@ -793,9 +794,9 @@ def bench_load(url: str, clients: int, per_client: int, size: int) -> tuple:
         wall = time.perf_counter() - start
     seconds = np.array([s for s, _ in answers])
     errors = [r for _, r in answers if isinstance(r, str)]
-    stats = {"requests": len(sent), "errors": len(errors), "first_error": errors[:1], "p50_ms": 1e3 * np.median(seconds),
-             "p99_ms": 1e3 * np.percentile(seconds, 99), "max_ms": 1e3 * seconds.max(), "wall_s": wall,
-             "queries_per_s": len(sent) * size / wall}
+    stats = {"requests": len(sent), "errors": len(errors), "first_error": errors[:1],
+             "p50_ms": 1e3 * np.median(seconds), "p99_ms": 1e3 * np.percentile(seconds, 99),
+             "max_ms": 1e3 * seconds.max(), "wall_s": wall, "queries_per_s": len(sent) * size / wall}
     return stats, list(zip(sent, [r for _, r in answers]))
 
 
@@ -829,15 +830,17 @@ def bench_exactness(retriever, sent: list) -> int:
 
 
 def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: int = 4, big: int = 3000,
-                 threads: int = 1, device: str = "cpu") -> dict:
-    """Start `retriever.py serve` in a child process on 127.0.0.1 and measure it; prints and returns the figures."""
+                 threads: int = 1, device: str = "cpu", url=None) -> dict:
+    """Start `retriever.py serve` in a child process on 127.0.0.1 (or use the server at `url`) and measure it; prints
+    and returns the figures. Exactness compares with this file's in-process search."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", "--index", index_dir, "--port",
-                              str(port), "--device", device], env=env)
-    url = f"http://127.0.0.1:{port}/retrieve"
+    command = [sys.executable, os.path.abspath(__file__), "serve", "--index", index_dir, "--port", str(port),
+               "--device", device]
+    child = subprocess.Popen(command if url is None else ["true"], env=env)
+    url = url or f"http://127.0.0.1:{port}/retrieve"
     try:
         for _ in range(600):
             try:
@@ -897,6 +900,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bench.add_argument("--big", type=int, default=3000, help="queries of the big request")
     bench.add_argument("--threads", type=int, default=1, help="torch threads of the server (OMP_NUM_THREADS)")
     bench.add_argument("--index", default="data/tinyworld/index")
+    bench.add_argument("--url", default=None, help="measure this running server instead of starting one")
     for p in (search, server):  # --index_path / --corpus_path: Search-R1's names; an index file is accepted too
         p.add_argument("--index", "--index_path", dest="index", required=True)
         p.add_argument("--corpus", "--corpus_path", dest="corpus", default=None,
@@ -933,7 +937,8 @@ def main(argv=None):
             scores = " ".join(f"{d['score']:.6f}" for d in docs)
             print(f"# query: {query}\n{format_docs(docs)}# ids: {' '.join(d['id'] for d in docs)}\n# scores: {scores}")
     elif args.command == "bench-server":
-        bench_server(args.index, args.clients, args.requests, args.queries, args.big, args.threads, args.device)
+        bench_server(args.index, args.clients, args.requests, args.queries, args.big, args.threads, args.device,
+                     args.url)
     else:
         index = search_r1_index_dir(args.index, args.corpus, args.retriever_model, args.retriever_name)
         corpus = None if index != args.index else args.corpus  # a described folder records its corpus

@@ -476,7 +476,8 @@ def test_search_r1_launch_line(world, fresh, tmp_path):
     line = ["--index_path", index_file, "--corpus_path", world.corpus, "--topk", "2", "--retriever_name", "minilm",
             "--retriever_model", "minilm", "--faiss_gpu"]
     args = R.parse_args(line + ["--host", "0.0.0.0"])
-    assert (args.command, args.host, args.topk, args.faiss_gpu, args.index) == ("serve", "0.0.0.0", 2, True, index_file)
+    assert (args.command, args.host, args.topk, args.faiss_gpu) == ("serve", "0.0.0.0", 2, True)
+    assert args.index == index_file and args.corpus == world.corpus
     child = subprocess.Popen([sys.executable, os.path.join(ROOT, "retriever.py"), *line, "--port", str(port),
                               "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
