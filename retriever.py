@@ -11,13 +11,17 @@ Contract (DESIGN.md sections 3 and 10; Search-R1 compatible)
 - Observation text: `format_docs`, Search-R1's `_passages2string` byte for byte.
 - HTTP (Search-R1's retrieval server): POST /retrieve {"queries": [str, ...], "topk": k, "return_scores": bool}
   -> {"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...] per query]};
-  GET /health -> {"status": "ok", "n_rows": N}.
+  GET /health -> {"status": "ok", "n_rows": N}. As in Search-R1, "queries": [] answers {"result": []} and "" is a query
+  like any other. Served by uvicorn (as Search-R1); one worker thread owns the encoder and serves waiting requests
+  round-robin, SLICE_QUERIES at a time, so concurrent requests share forwards and a huge one does not stall the rest.
 
 Determinism: a query's results are a pure function of its text, whatever batch it comes in (a twin episode,
 DESIGN.md section 5, replays a query inside another batch and must see the same documents):
-  (1) each query is encoded alone, unpadded. Grouping queries of equal token length is not enough: on CPU a query's
-      embedding moved by ~7e-8 between a batch of 1 and of 2+ (matmul kernels depend on the row count). Cost: one
-      forward per distinct query not in the cache, about 4x the batched time on CPU.
+  (1) every query forward has one fixed shape per query: QUERY_ROWS rows (spare rows are copies of a real one), each
+      padded to the query's token length rounded up to LENGTH_STEP. Matmul kernels are chosen by shape, so a query's
+      embedding no longer depends on its companions: measured bit-identical across 3 shufflings of 300 queries, where
+      batches of free size moved it by ~2e-7 (and a batch of 1 by ~7e-8 against 2+). Queries of any requests can thus
+      share a forward: ~5 ms per query on one CPU core against 17 ms encoded alone.
   (2) FAISS only proposes topk + CANDIDATE_MARGIN rows; each score is then recomputed from the stored float32 vectors
       as the exactly rounded sum of exact float64 products (math.fsum): a function of (query, row) alone. The batch
       could only matter if more than CANDIDATE_MARGIN rows were within float32 rounding of the k-th score.
@@ -27,8 +31,16 @@ Deviations from Search-R1 (tagged `# DEVIATION:` in the code)
 2. "return_scores": false (the default of Search-R1's schema) answers [{"document": {...}}, ...] per query, where
    Search-R1's server crashes. "topk" defaults to 3 and must be in [1, 100]; a topk above the corpus size returns
    every row (FAISS would pad with row -1).
-3. Malformed requests get HTTP 400 {"error": "..."} naming the field (FastAPI: 422); blank queries are refused.
+3. Malformed requests get HTTP 400 {"error": "..."} naming the field (FastAPI: 422).
 4. An fp16 encoder's hidden states are pooled and normalised in float32 (Search-R1 pools in fp16).
+Server deviations (tagged `# DEVIATION S10:` ...; README "Retriever server reliability")
+S10. At most MAX_QUERIES queries per request (400 naming the cap; --max_queries); Search-R1 has no cap.
+S11. A query that is not valid Unicode (a lone surrogate) is refused with 400; Search-R1's server answers 500.
+S12. A request head must arrive within HEAD_TIMEOUT s and its body within BODY_TIMEOUT s (else closed / 408);
+     uvicorn alone waits for ever. JSON nested too deeply for the parser gets 400.
+S13. It listens on 127.0.0.1 unless --host 0.0.0.0 is given (Search-R1 always binds 0.0.0.0), and the encoder runs
+     in float32 unless --fp16 is given (Search-R1's launcher always uses fp16).
+S14. Queries are encoded in fixed-shape batches, Determinism (1) (Search-R1 pads free-size batches of 512).
 
 Commands
   # tiny world (CPU): build, query, serve
@@ -38,28 +50,44 @@ Commands
   # wiki-18 with Search-R1's prebuilt E5 flat index (no re-encoding), searched on the GPUs when there are any
   python retriever.py describe-prebuilt --index_file e5_Flat.index --corpus wiki-18.jsonl --out data/wiki18/index
   python retriever.py serve --index data/wiki18/index --host 0.0.0.0 --port 8000 --fp16
+  # Search-R1's retrieval_launch.sh line, our script name substituted (the index file gets an index folder beside it)
+  python retriever.py --index_path $file_path/e5_Flat.index --corpus_path $file_path/wiki-18.jsonl --topk 3 \
+      --retriever_name e5 --retriever_model intfloat/e5-base-v2 --faiss_gpu
+  # load test of a server on this machine (README "Retriever server reliability")
+  python retriever.py bench-server --index data/tinyworld/index
   # or encode wiki-18 yourself (one GPU)
   python retriever.py build --corpus wiki-18.jsonl --encoder e5 --out data/wiki18/index_e5 --batch_size 512 --fp16
 """
 import argparse
 import array
+import asyncio
+import collections
+import concurrent.futures
 import hashlib
 import json
 import math
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections import OrderedDict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import faiss
 import numpy as np
 import requests
 import torch
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from tqdm import tqdm
 from transformers import AutoModel, AutoTokenizer
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 E5 = "intfloat/e5-base-v2"
 # known encoders -> (query prefix, passage prefix); any other with "e5" in its name gets E5's (Search-R1's rule)
@@ -70,6 +98,13 @@ MAX_TOPK = 100  # largest topk the server accepts
 CANDIDATE_MARGIN = 16  # extra FAISS candidates re-scored exactly, Determinism (2)
 FINGERPRINT_BYTES = 1 << 20  # bytes hashed at each end of the corpus
 MAX_BODY_BYTES = 16 << 20  # largest request body the server reads
+QUERY_ROWS = 8  # rows of every query forward, Determinism (1); 8 was the fastest per query of 4, 8, 16 on CPU
+LENGTH_STEP = 8  # query token lengths are padded up to a multiple of this: fewer shapes, fuller batches
+MAX_QUERIES = 10_000  # queries per request (Search-R1's trainer sends <= 512 x 5 per turn), DEVIATION S10
+SLICE_QUERIES = 32  # queries a request gets per turn of the server's round-robin
+ROUND_QUERIES = 64  # queries encoded together per round (8 forwards of QUERY_ROWS)
+BACKLOG = 2048  # listen queue (uvicorn's default; http.server's 5 dropped SYNs: 1 s retransmit tails)
+HEAD_TIMEOUT, BODY_TIMEOUT = 30.0, 60.0  # seconds a client may take to send a request head, then its body
 INDEX_FILE, OFFSETS_FILE, META_FILE = "index.faiss", "offsets.npy", "meta.json"
 
 
@@ -99,13 +134,21 @@ def format_docs(docs: list) -> str:
     return out
 
 
-def check_queries(queries) -> list:
-    """A non-empty list of non-blank strings, else ValueError naming the field 'queries'."""
-    if not isinstance(queries, (list, tuple)) or not queries:
-        raise ValueError("field 'queries' must be a non-empty list of strings")
+def check_queries(queries, max_queries: int = MAX_QUERIES) -> list:
+    """A list of at most max_queries strings (empty ones too: Search-R1's trainer sends them), else ValueError."""
+    if not isinstance(queries, (list, tuple)):
+        raise ValueError("field 'queries' must be a list of strings")
+    if len(queries) > max_queries:  # DEVIATION S10: a clear refusal instead of minutes of encoding
+        raise ValueError(f"field 'queries' holds {len(queries)} queries, at most {max_queries} per request; "
+                         "split the batch (or start the server with a larger --max_queries)")
     for i, query in enumerate(queries):
-        if not isinstance(query, str) or not query.strip():
-            raise ValueError(f"field 'queries'[{i}] must be a non-empty string, got {str(query)[:40]!r}")
+        if not isinstance(query, str):
+            raise ValueError(f"field 'queries'[{i}] must be a string, got {str(query)[:40]!r}")
+        try:
+            query.encode("utf-8")
+        except UnicodeEncodeError:  # DEVIATION S11: the tokenizer would fail (Search-R1: 500, and clients retry)
+            raise ValueError(f"field 'queries'[{i}] is not valid Unicode (a lone surrogate?): "
+                             f"{query[:40]!r}") from None
     return list(queries)
 
 
@@ -128,19 +171,36 @@ class Encoder:
             raise ValueError(f"kind must be 'query' or 'passage', got {kind!r}")
         texts = [(self.query_prefix if kind == "query" else self.passage_prefix) + t for t in texts]
         out = np.empty((len(texts), self.dim), np.float32)
-        if kind == "query":  # Determinism (1): alone and unpadded, so the batch cannot change the vector
-            for i, text in enumerate(texts):
-                out[i] = self._embed([text])[0]
-            return out
+        if kind == "query":
+            return self._encode_queries(texts, out)
         order = np.argsort([len(t) for t in texts], kind="stable")  # similar lengths together: less padding
         for start in range(0, len(texts), self.batch_size):
             rows = order[start:start + self.batch_size]
             out[rows] = self._embed([texts[i] for i in rows])
         return out
 
-    @torch.inference_mode()
+    def _encode_queries(self, texts: list, out: np.ndarray) -> np.ndarray:
+        """Determinism (1): forwards of QUERY_ROWS rows padded to a length bucket, so a query's shape is its own."""
+        features = self.tokenizer(texts, max_length=self.max_length, truncation=True)
+        rows = [{key: values[i] for key, values in features.items()} for i in range(len(texts))]
+        buckets = collections.defaultdict(list)  # padded length -> indices of texts
+        for i, row in enumerate(rows):
+            length = len(row["input_ids"])
+            buckets[min(-(-length // LENGTH_STEP) * LENGTH_STEP, self.max_length)].append(i)
+        for length, members in buckets.items():
+            for start in range(0, len(members), QUERY_ROWS):
+                part = members[start:start + QUERY_ROWS]
+                batch = [rows[i] for i in part] + [rows[part[0]]] * (QUERY_ROWS - len(part))  # S14: spare copies
+                padded = self.tokenizer.pad(batch, padding="max_length", max_length=length, return_tensors="pt")
+                out[part] = self._pool(padded)[:len(part)]
+        return out
+
     def _embed(self, texts: list) -> np.ndarray:
-        batch = self.tokenizer(texts, max_length=self.max_length, truncation=True, padding=True, return_tensors="pt")
+        return self._pool(self.tokenizer(texts, max_length=self.max_length, truncation=True, padding=True,
+                                         return_tensors="pt"))
+
+    @torch.inference_mode()
+    def _pool(self, batch) -> np.ndarray:
         batch = batch.to(self.device)
         # DEVIATION: 4. an fp16 model's hidden states are pooled in fp32
         hidden = self.model(**batch).last_hidden_state.float()  # (B, T, H)
@@ -322,10 +382,12 @@ def load_vectors(index_path: str, meta: dict, gpu: bool) -> tuple:
 class DenseRetriever:
     """In-process retriever over an index folder; `search` is thread safe and a pure function of each query."""
 
-    def __init__(self, index_dir: str, device=None, cache_size: int = 100_000, corpus=None, fp16: bool = False):
+    def __init__(self, index_dir: str, device=None, cache_size: int = 100_000, corpus=None, fp16: bool = False,
+                 faiss_gpu=None):
         self.meta, self.offsets, self.corpus, index_path = load_index_dir(index_dir, corpus)
         self.n_rows = len(self.offsets)
         gpu = torch.cuda.is_available() and faiss.get_num_gpus() > 0 and device != "cpu"
+        gpu = gpu if faiss_gpu is None else gpu and faiss_gpu  # None: the GPUs when there are any
         self.vectors, self.index = load_vectors(index_path, self.meta, gpu)
         self._file = open(self.corpus, "rb")  # rows are read with pread: no file position shared between threads
         self._size = os.fstat(self._file.fileno()).st_size
@@ -340,7 +402,8 @@ class DenseRetriever:
                              f"{self.meta['dim']}-d ones")
         self.cache_size, self._cache = cache_size, OrderedDict()  # (query, topk) -> docs, least recent first
         self.cache_hits = self.cache_misses = 0  # per distinct (query, topk) of each call
-        self._lock = threading.Lock()  # the encoder, the FAISS index and the cache are shared by server threads
+        self._cache_lock = threading.Lock()  # held for lookups only: a cache hit never waits for an encoding
+        self._compute_lock = threading.Lock()  # the encoder and the FAISS index are shared by threads
 
     def _row(self, i: int) -> dict:
         start = int(self.offsets[i])
@@ -358,18 +421,31 @@ class DenseRetriever:
         queries = check_queries(queries)
         if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
             raise ValueError(f"topk must be a positive integer, got {topk!r}")
-        found = {}
-        with self._lock:
-            for query in dict.fromkeys(queries):
-                if (query, topk) in self._cache:
-                    self._cache.move_to_end((query, topk))
-                    found[query] = self._cache[(query, topk)]
-            misses = [q for q in dict.fromkeys(queries) if q not in found]
+        return self.search_batch([(query, topk) for query in queries])
+
+    def search_batch(self, items: list) -> list:
+        """[(query, topk), ...] -> docs per item; the server's path too, so both give identical results."""
+        keys, found = list(dict.fromkeys(items)), {}
+        with self._cache_lock:
+            for key in keys:
+                if key in self._cache:
+                    self._cache.move_to_end(key)
+                    found[key] = self._cache[key]
+            misses = [key for key in keys if key not in found]
             self.cache_hits, self.cache_misses = self.cache_hits + len(found), self.cache_misses + len(misses)
-            if misses:
-                for query, docs in zip(misses, self._search_vectors(self.encoder.encode(misses, "query"), topk)):
-                    found[query] = self._remember((query, topk), docs)
-        return [[dict(doc) for doc in found[q]] for q in queries]
+        if misses:
+            with self._compute_lock:
+                vecs = self.encoder.encode([query for query, _ in misses], "query")
+                by_topk = collections.defaultdict(list)  # one FAISS call per topk: k = topk + margin as alone
+                for i, (_, topk) in enumerate(misses):
+                    by_topk[topk].append(i)
+                for topk, rows in by_topk.items():
+                    for i, docs in zip(rows, self._search_vectors(vecs[rows], topk)):
+                        found[misses[i]] = docs
+            with self._cache_lock:
+                for key in misses:
+                    self._remember(key, found[key])
+        return [[dict(doc) for doc in found[key]] for key in items]
 
     def _search_vectors(self, vecs: np.ndarray, topk: int) -> list:
         k = min(topk + CANDIDATE_MARGIN, self.n_rows)  # DEVIATION: 2. never more rows than the corpus has
@@ -404,6 +480,8 @@ class RemoteRetriever:
 
     def search(self, queries: list, topk: int = TOPK) -> list:
         payload = {"queries": check_queries(queries), "topk": topk, "return_scores": True}
+        if not queries:  # nothing to ask (Search-R1's server would answer {"result": []})
+            return []
         return [[{"id": str(item["document"]["id"]), "contents": item["document"]["contents"],
                   "score": float(item["score"])} for item in docs] for docs in self._post(payload)]
 
@@ -431,18 +509,28 @@ class RemoteRetriever:
 
 # --- HTTP server (Search-R1's POST /retrieve) ---
 
-def parse_request(payload) -> tuple:
+def parse_request(payload, default_topk: int = TOPK, max_queries: int = MAX_QUERIES) -> tuple:
     """A /retrieve body -> (queries, topk, return_scores); ValueError naming the bad field."""
     if not isinstance(payload, dict):
         raise ValueError("the request body must be a JSON object")
-    queries = check_queries(payload.get("queries"))
-    topk = TOPK if payload.get("topk") is None else payload["topk"]
+    queries = check_queries(payload.get("queries"), max_queries)
+    topk = default_topk if payload.get("topk") is None else payload["topk"]
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"field 'topk' must be an integer in [1, {MAX_TOPK}], got {topk!r}")
     return_scores = payload.get("return_scores", False)
     if not isinstance(return_scores, bool):
         raise ValueError(f"field 'return_scores' must be true or false, got {return_scores!r}")
     return queries, topk, return_scores
+
+
+def parse_body(body: bytes, default_topk: int = TOPK, max_queries: int = MAX_QUERIES) -> tuple:
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:  # DEVIATION S12: the connection used to die with no reply
+        raise ValueError("the request body is JSON nested too deeply") from None
+    return parse_request(payload, default_topk, max_queries)
 
 
 def _wire(doc: dict, return_scores: bool) -> dict:
@@ -452,73 +540,328 @@ def _wire(doc: dict, return_scores: bool) -> dict:
     return item
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self):
-        if self.path != "/health":
-            return self._reply(404, {"error": f"unknown path {self.path}; use POST /retrieve or GET /health"})
-        self._reply(200, {"status": "ok", "n_rows": self.server.retriever.n_rows})
+class Job:
+    """One request's queries, answered slice by slice."""
 
-    def do_POST(self):
-        if self.path != "/retrieve":
-            return self._reply(404, {"error": f"unknown path {self.path}; use POST /retrieve or GET /health"})
+    def __init__(self, queries: list, topk: int):
+        self.items, self.done, self.next = [(query, topk) for query in queries], [None] * len(queries), 0
+        self.future = concurrent.futures.Future()
+
+
+class Batcher:
+    """The single thread that encodes for the server. Each round takes up to SLICE_QUERIES queries from each waiting
+    request in turn (round-robin), up to ROUND_QUERIES, and searches them together: concurrent requests share
+    forwards, and a request of thousands of queries is split so that small ones interleave with it."""
+
+    def __init__(self, retriever, slice_queries: int = SLICE_QUERIES, round_queries: int = ROUND_QUERIES):
+        self.retriever, self.slice, self.round = retriever, slice_queries, round_queries
+        self._waiting, self._wake, self._closed = collections.deque(), threading.Condition(), False
+        threading.Thread(target=self._loop, daemon=True, name="retriever-batcher").start()
+
+    def submit(self, queries: list, topk: int) -> concurrent.futures.Future:
+        job = Job(queries, topk)
+        with self._wake:
+            self._waiting.append(job)
+            self._wake.notify()
+        return job.future
+
+    def close(self):
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _next_round(self) -> list:
+        """[(job, start, end), ...]: round-robin slices; a job with queries left goes back to the end of the line."""
+        with self._wake:
+            while not self._waiting and not self._closed:
+                self._wake.wait()
+            taken, budget = [], self.round
+            while self._waiting and budget > 0:
+                job = self._waiting.popleft()
+                start = job.next
+                job.next = min(start + self.slice, start + budget, len(job.items))
+                taken.append((job, start, job.next))
+                budget -= job.next - start
+                if job.next < len(job.items):
+                    self._waiting.append(job)
+            return taken
+
+    def _loop(self):
+        while not self._closed:
+            taken = self._next_round()
+            try:
+                docs = self.retriever.search_batch([item for job, a, b in taken for item in job.items[a:b]])
+            except Exception as e:  # keep serving; these requests see why
+                for job, _, _ in taken:
+                    if not job.future.done():
+                        job.future.set_exception(e)
+                continue
+            for job, start, end in taken:
+                job.done[start:end], docs = docs[:end - start], docs[end - start:]
+                if end == len(job.items) and not job.future.done():
+                    job.future.set_result(job.done)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, at most MAX_BODY_BYTES (a Content-Length or chunked encoding is required); ValueError otherwise."""
+    length = request.headers.get("content-length", "")
+    chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
+    if not chunked and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        raise ValueError(f"the body needs a Content-Length of at most {MAX_BODY_BYTES} bytes, got {length[:20]!r}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ValueError(f"the body is longer than {MAX_BODY_BYTES} bytes (Content-Length)")
+    return bytes(body)
+
+
+def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_queries: int = MAX_QUERIES,
+             body_timeout: float = BODY_TIMEOUT) -> Starlette:
+    """The ASGI app: POST /retrieve, GET /health, a JSON 404 elsewhere. CPU work (parsing, searching, writing the
+    answer) runs off the event loop, so slow or huge requests never hold up the others' I/O."""
+
+    async def retrieve(request: Request) -> Response:
         try:
-            queries, topk, return_scores = parse_request(self._read_json())
+            body = await asyncio.wait_for(_read_body(request), body_timeout)
+        except asyncio.TimeoutError:  # DEVIATION S12: a slow client is cut off
+            return _error(408, f"the request body did not arrive within {body_timeout} s")
+        except ValueError as e:
+            return _error(400, str(e))
+        loop = asyncio.get_running_loop()
+        try:
+            queries, topk, return_scores = await loop.run_in_executor(None, parse_body, body, default_topk,
+                                                                      max_queries)
         except ValueError as e:  # DEVIATION: 3. 400 naming the field (FastAPI: 422 in its own shape)
-            return self._reply(400, {"error": str(e)})
+            return _error(400, str(e))
         try:
-            results = self.server.retriever.search(queries, topk)
+            results = await asyncio.wrap_future(batcher.submit(queries, topk)) if queries else []
         except Exception as e:  # keep serving; the client sees why
-            return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
-        self._reply(200, {"result": [[_wire(doc, return_scores) for doc in docs] for docs in results]})
+            return _error(500, f"{type(e).__name__}: {e}")
+        data = await loop.run_in_executor(None, lambda: json.dumps(
+            {"result": [[_wire(doc, return_scores) for doc in docs] for docs in results]}).encode())
+        return Response(data, media_type="application/json")
 
-    def _read_json(self):
-        length = self.headers.get("Content-Length", "")
-        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-            self.close_connection = True  # the unread body would be taken for the next request
-            raise ValueError(f"the body needs a Content-Length of at most {MAX_BODY_BYTES} bytes, got {length[:20]!r}")
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "n_rows": n_rows})
+
+    async def not_found(request: Request) -> Response:
+        return _error(404, f"unknown path {request.url.path}; use POST /retrieve or GET /health")
+
+    return Starlette(routes=[Route("/retrieve", retrieve, methods=["POST"]), Route("/health", health),
+                             Route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "HEAD"])])
+
+
+class _DeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol plus a deadline for each request head: uvicorn has none, so a client that connects and
+    then sends nothing (or a byte now and then) would hold its connection for ever. DEVIATION S12."""
+    head_timeout = HEAD_TIMEOUT
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def _arm_head_deadline(self):
+        cycle = self.cycle  # replaced as soon as the next request head is complete
+        self.loop.call_later(self.head_timeout, lambda: self.cycle is cycle and not self.transport.is_closing()
+                             and self.transport.close())
+
+
+class RetrievalServer:
+    """uvicorn serving `make_app` on a socket bound at construction (port 0 picks a free port: read server_port), with
+    the interface of the http.server it replaces: serve_forever, shutdown, server_close, a context manager."""
+
+    def __init__(self, retriever, host: str = "127.0.0.1", port: int = 8000, *, default_topk: int = TOPK,
+                 max_queries: int = MAX_QUERIES, head_timeout: float = HEAD_TIMEOUT,
+                 body_timeout: float = BODY_TIMEOUT):
+        self.retriever, self.batcher = retriever, Batcher(retriever)
+        self.socket = socket.create_server((host, port), backlog=BACKLOG)
+        self.server_port = self.socket.getsockname()[1]
+        protocol = type("_Protocol", (_DeadlineH11,), {"head_timeout": head_timeout})
+        app = make_app(self.batcher, retriever.n_rows, default_topk, max_queries, body_timeout)
+        config = uvicorn.Config(app, http=protocol, lifespan="off", access_log=False, log_level="warning",
+                                backlog=BACKLOG)
+        self.uvicorn, self._stopped = uvicorn.Server(config), threading.Event()
+        self._stopped.set()
+
+    def serve_forever(self):
+        self._stopped.clear()
         try:
-            return json.loads(self.rfile.read(int(length)))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"the request body is not valid JSON ({e})") from None
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
 
-    def _reply(self, status: int, obj: dict):
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def shutdown(self):
+        self.uvicorn.should_exit = True
+        self._stopped.wait()
 
-    def log_request(self, code="-", size="-"):  # errors only: a training step sends thousands of requests
-        if str(code).isdigit() and int(code) >= 400:
-            super().log_request(code, size)
+    def server_close(self):
+        self.socket.close()
+        self.batcher.close()
 
+    def __enter__(self):
+        return self
 
-def make_server(retriever, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
-    """A server over `retriever`, not yet serving; port 0 picks a free port (read server.server_port)."""
-    server = ThreadingHTTPServer((host, port), _Handler)
-    server.daemon_threads = True
-    server.retriever = retriever
-    return server
+    def __exit__(self, *exc):
+        self.server_close()
 
 
-def start_server(retriever, host: str = "127.0.0.1", port: int = 0) -> tuple:
+def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, **options) -> RetrievalServer:
+    """A server over `retriever`, not yet serving; options: default_topk, max_queries, head_timeout, body_timeout."""
+    return RetrievalServer(retriever, host, port, **options)
+
+
+def start_server(retriever, host: str = "127.0.0.1", port: int = 0, **options) -> tuple:
     """Serve in a daemon thread -> (server, url of /retrieve); stop with server.shutdown(); server.server_close()."""
-    server = make_server(retriever, host, port)
+    server = make_server(retriever, host, port, **options)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://{host}:{server.server_port}/retrieve"
 
 
 def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None, cache_size: int = 100_000,
-          corpus=None, fp16: bool = False):
+          corpus=None, fp16: bool = False, faiss_gpu=None, **options):
     """Load the index and serve it until interrupted."""
-    retriever = DenseRetriever(index_dir, device, cache_size, corpus, fp16)
-    with make_server(retriever, host, port) as server:
-        print(f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve")
-        try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            pass
+    retriever = DenseRetriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu)
+    with make_server(retriever, host, port, **options) as server:
+        print(f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve",
+              flush=True)
+        server.serve_forever()  # uvicorn stops on Ctrl-C / SIGTERM
+
+
+def search_r1_prefixes(retriever_name: str) -> tuple:
+    """Search-R1's Encoder.encode rule: "e5" in the name -> E5 prefixes; "bge" -> its query instruction."""
+    name = retriever_name.lower()
+    if "e5" in name:
+        return "query: ", "passage: "
+    return ("Represent this sentence for searching relevant passages: " if "bge" in name else ""), ""
+
+
+def search_r1_index_dir(index_path: str, corpus: str, encoder: str, retriever_name: str) -> str:
+    """Search-R1 passes an index *file*; ours is a folder (meta, offsets). A file gets the folder `<file>.twice` beside
+    it, described once (one scan of the corpus, nothing encoded) and reused while it records the same inputs."""
+    if os.path.isdir(index_path):
+        return index_path
+    out, prefixes = index_path + ".twice", search_r1_prefixes(retriever_name)
+    wanted = (os.path.abspath(index_path), encoder, *prefixes, os.path.abspath(corpus))
+    if os.path.exists(os.path.join(out, META_FILE)):
+        with open(os.path.join(out, META_FILE)) as f:
+            meta = json.load(f)
+        if tuple(meta[k] for k in ("index_file", "encoder", "query_prefix", "passage_prefix", "corpus")) == wanted:
+            return out
+    describe_prebuilt(index_path, corpus, encoder, out_dir=out, query_prefix=prefixes[0], passage_prefix=prefixes[1])
+    return out
+
+
+# --- load test of a server (README "Retriever server reliability") ---
+
+BENCH_WORDS = ("who founded the city river king painter ship festival language mountain when was born where is "
+               "capital of first second largest oldest famous author song film country which year did").split()
+
+
+def bench_queries(n: int, tag: str, seed: int = 0) -> list:
+    """n distinct agent-like queries of 2-10 words (a numbered tag keeps them distinct: no cache hit helps)."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(BENCH_WORDS, rng.integers(2, 11))) + f" {tag}{i}" for i in range(n)]
+
+
+def _timed_post(url: str, queries: list, topk: int = TOPK) -> tuple:
+    start = time.perf_counter()
+    try:
+        answer = requests.post(url, json={"queries": queries, "topk": topk, "return_scores": True}, timeout=120)
+        result = answer.json()["result"] if answer.status_code == 200 else f"HTTP {answer.status_code}"
+    except (requests.RequestException, ValueError, KeyError) as e:
+        result = f"{type(e).__name__}: {e}"
+    return time.perf_counter() - start, result
+
+
+def bench_load(url: str, clients: int, per_client: int, size: int) -> tuple:
+    """clients threads, each sending per_client requests of `size` distinct queries in turn -> (stats, sent)."""
+    sent = [bench_queries(size, f"c{c}r{r}q", seed=c * 1000 + r) for c in range(clients) for r in range(per_client)]
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        start = time.perf_counter()
+        lines = [pool.submit(lambda c: [_timed_post(url, q) for q in sent[c::clients]], c) for c in range(clients)]
+        answers = [None] * len(sent)
+        for c, line in enumerate(lines):
+            answers[c::clients] = line.result()
+        wall = time.perf_counter() - start
+    seconds = np.array([s for s, _ in answers])
+    errors = [r for _, r in answers if isinstance(r, str)]
+    stats = {"requests": len(sent), "errors": len(errors), "first_error": errors[:1],
+             "p50_ms": 1e3 * np.median(seconds), "p99_ms": 1e3 * np.percentile(seconds, 99),
+             "max_ms": 1e3 * seconds.max(), "wall_s": wall, "queries_per_s": len(sent) * size / wall}
+    return stats, list(zip(sent, [r for _, r in answers]))
+
+
+def bench_big(url: str, big: int, every: float = 0.5) -> tuple:
+    """One request of `big` distinct queries; meanwhile a 1-query request every `every` s -> (stats, sent)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        queries = bench_queries(big, "big")
+        job, smalls = pool.submit(_timed_post, url, queries), []
+        while not job.done():
+            time.sleep(every)
+            small = bench_queries(1, f"small{len(smalls)}q")
+            smalls.append((small, _timed_post(url, small)))
+        big_s, big_result = job.result()
+    small_s = [s for _, (s, _) in smalls]
+    stats = {"big_queries": big, "big_s": big_s, "small_requests": len(smalls), "small_max_s": max(small_s),
+             "small_median_s": float(np.median(small_s)),
+             "errors": sum(isinstance(r, str) for _, (_, r) in smalls) + isinstance(big_result, str)}
+    return stats, [(queries, big_result)] + [(q, r) for q, (_, r) in smalls]
+
+
+def bench_exactness(retriever, sent: list) -> int:
+    """How many answered queries differ from in-process search (ids, or scores by a single bit)."""
+    answered = [(query, docs) for queries, result in sent if not isinstance(result, str)
+                for query, docs in zip(queries, result)]
+    wanted = retriever.search([query for query, _ in answered])  # one call: the batch cannot matter, Determinism (1)
+    return sum([(d["document"]["id"], np.float64(d["score"]).tobytes()) for d in got]
+               != [(d["id"], np.float64(d["score"]).tobytes()) for d in want]
+               for (_, got), want in zip(answered, wanted))
+
+
+def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: int = 4, big: int = 3000,
+                 threads: int = 1, device: str = "cpu", url=None) -> dict:
+    """Start `retriever.py serve` in a child process on 127.0.0.1 (or use the server at `url`) and measure it; prints
+    and returns the figures. Exactness compares with this file's in-process search."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    command = [sys.executable, os.path.abspath(__file__), "serve", "--index", index_dir, "--port", str(port),
+               "--device", device]
+    child = subprocess.Popen(command if url is None else ["true"], env=env)
+    url = url or f"http://127.0.0.1:{port}/retrieve"
+    try:
+        for _ in range(600):
+            try:
+                if requests.get(url.replace("/retrieve", "/health"), timeout=1).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.2)
+        load, sent = bench_load(url, clients, per_client, size)
+        print(f"load: {clients} clients x {per_client} requests x {size} distinct queries: {load['errors']} errors, "
+              f"p50 {load['p50_ms']:.0f} ms, p99 {load['p99_ms']:.0f} ms, max {load['max_ms']:.0f} ms, "
+              f"{load['queries_per_s']:.0f} queries/s", flush=True)
+        interleave, sent_big = bench_big(url, big)
+        print(f"big request: {big} distinct queries in {interleave['big_s']:.1f} s; meanwhile "
+              f"{interleave['small_requests']} 1-query requests: max {interleave['small_max_s']:.2f} s, "
+              f"median {interleave['small_median_s']:.2f} s; {interleave['errors']} errors", flush=True)
+    finally:
+        child.terminate()
+        child.wait(timeout=60)
+    torch.set_num_threads(threads)
+    retriever = DenseRetriever(index_dir, device, cache_size=0)
+    differ = bench_exactness(retriever, sent + sent_big)
+    print(f"exactness: {differ} of {sum(len(q) for q, _ in sent + sent_big)} queries differ from in-process search")
+    return {"load": load, "interleave": interleave, "differ": differ}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -539,17 +882,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     search = sub.add_parser("search", help="print the top-k documents of each query")
     search.add_argument("--topk", type=int, default=TOPK)
     search.add_argument("queries", nargs="+")
-    server = sub.add_parser("serve", help="Search-R1 compatible HTTP server")
-    server.add_argument("--host", default="127.0.0.1")
+    server = sub.add_parser("serve", help="Search-R1 compatible HTTP server (also: Search-R1's launch flags alone)")
+    server.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines (DEVIATION S13)")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--cache_size", type=int, default=100_000)
-    for p in (search, server):
-        p.add_argument("--index", required=True)
-        p.add_argument("--corpus", default=None, help="the corpus, if it moved since the build")
+    server.add_argument("--topk", type=int, default=TOPK, help="for requests without 'topk' (Search-R1 --topk)")
+    server.add_argument("--max_queries", type=int, default=MAX_QUERIES, help="queries per request (DEVIATION S10)")
+    server.add_argument("--retriever_name", default="e5", help="Search-R1's: sets the prefixes of an index file")
+    server.add_argument("--retriever_model", default=E5, help="Search-R1's: the encoder of an index file")
+    server.add_argument("--faiss_gpu", action="store_true", help="Search-R1's: FAISS on the GPUs (default: if any)")
+    bench = sub.add_parser("bench-server", help="load test of a server started on 127.0.0.1 (README reliability)")
+    bench.add_argument("--clients", type=int, default=16)
+    bench.add_argument("--requests", type=int, default=40, help="per client")
+    bench.add_argument("--queries", type=int, default=4, help="distinct queries per request")
+    bench.add_argument("--big", type=int, default=3000, help="queries of the big request")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads of the server (OMP_NUM_THREADS)")
+    bench.add_argument("--index", default="data/tinyworld/index")
+    bench.add_argument("--url", default=None, help="measure this running server instead of starting one")
+    for p in (search, server):  # --index_path / --corpus_path: Search-R1's names; an index file is accepted too
+        p.add_argument("--index", "--index_path", dest="index", required=True)
+        p.add_argument("--corpus", "--corpus_path", dest="corpus", default=None,
+                       help="the corpus, if it moved since the build (required with an index file)")
+    for p in (build, search, server, bench):
+        p.add_argument("--device", default=None if p is not bench else "cpu", help="default: cuda if any, else cpu")
     for p in (build, search, server):
-        p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
         p.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
-    return parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0].startswith("--") and argv[0] != "--help":  # Search-R1's launch line names no subcommand
+        argv = ["serve", *argv]
+    args = parser.parse_args(argv)
+    if args.command == "serve" and "bm25" in args.retriever_name.lower():
+        parser.error("--retriever_name bm25: only dense retrievers are served here")
+    if args.command == "serve" and os.path.isfile(args.index) and not args.corpus:
+        parser.error(f"--index_path {args.index} is an index file: give its corpus with --corpus_path")
+    return args
 
 
 def main(argv=None):
@@ -568,8 +934,14 @@ def main(argv=None):
         for query, docs in zip(args.queries, retriever.search(args.queries, args.topk)):
             scores = " ".join(f"{d['score']:.6f}" for d in docs)
             print(f"# query: {query}\n{format_docs(docs)}# ids: {' '.join(d['id'] for d in docs)}\n# scores: {scores}")
+    elif args.command == "bench-server":
+        bench_server(args.index, args.clients, args.requests, args.queries, args.big, args.threads, args.device,
+                     args.url)
     else:
-        serve(args.index, args.host, args.port, args.device, args.cache_size, args.corpus, args.fp16)
+        index = search_r1_index_dir(args.index, args.corpus, args.retriever_model, args.retriever_name)
+        corpus = None if index != args.index else args.corpus  # a described folder records its corpus
+        serve(index, args.host, args.port, args.device, args.cache_size, corpus, args.fp16,
+              True if args.faiss_gpu else None, default_topk=args.topk, max_queries=args.max_queries)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -189,8 +190,8 @@ def test_cache_hits_misses_and_eviction(world):
     retriever.close()
 
 
-@pytest.mark.parametrize("queries,topk,match", [([], 3, "queries"), ("a river", 3, "queries"), ([""], 3, "queries"),
-                                                 (["ok", "  \n"], 3, r"queries'\[1\]"), (["ok"], 0, "topk"),
+@pytest.mark.parametrize("queries,topk,match", [("a river", 3, "queries"), ([None], 3, r"queries'\[0\]"),
+                                                 (["ok", "\ud800"], 3, r"queries'\[1\].*Unicode"), (["ok"], 0, "topk"),
                                                  (["ok"], True, "topk"), (["ok"], 2.0, "topk")])
 def test_search_rejects_bad_arguments(fresh, queries, topk, match):
     with pytest.raises(ValueError, match=match):
@@ -328,6 +329,18 @@ def post_raw(url, body, headers=None, path="/retrieve"):
     return status, payload
 
 
+def post_status(url, body, headers):
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/retrieve")
+    for key, value in headers.items():
+        conn.putheader(key, value)
+    conn.endheaders()
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
 def test_server_health(url):
     assert requests.get(url.replace("/retrieve", "/health"), timeout=30).json() == {"status": "ok", "n_rows": 50}
 
@@ -358,9 +371,9 @@ def test_server_without_scores(fresh, url):
 
 
 MALFORMED = [(b"{not json", "not valid JSON"), (b"\xff\xfe\xfa", "not valid JSON"), (b"[1, 2]", "JSON object"),
-             (b'"queries"', "JSON object"), ({}, "'queries'"), ({"queries": []}, "'queries'"),
+             (b'"queries"', "JSON object"), ({}, "'queries'"),
              ({"queries": "who"}, "'queries'"), ({"queries": [1]}, r"'queries'\[0\]"),
-             ({"queries": ["a", " "]}, r"'queries'\[1\]"), ({"queries": ["a", None]}, r"'queries'\[1\]"),
+             ({"queries": ["a", None]}, r"'queries'\[1\]"),
              ({"queries": ["a"], "topk": "3"}, "'topk'"), ({"queries": ["a"], "topk": 2.5}, "'topk'"),
              ({"queries": ["a"], "topk": True}, "'topk'"), ({"queries": ["a"], "topk": 0}, "'topk'"),
              ({"queries": ["a"], "topk": 101}, "'topk'"), ({"queries": ["a"], "topk": -1}, "'topk'"),
@@ -378,9 +391,10 @@ def test_server_rejects_malformed_request(url, body, match):
 
 
 def test_server_rejects_bad_length_and_paths(url):
-    for headers in ({"Content-Length": str(10 ** 9)}, {}, {"Content-Length": "-5"}):
+    for headers in ({"Content-Length": str(10 ** 9)}, {}):
         status, payload = post_raw(url, b"", headers)
         assert status == 400 and "Content-Length" in payload["error"]
+    assert post_status(url, b"", {"Content-Length": "-5"}) == 400  # refused by h11 (uvicorn), in its own words
     status, payload = post_raw(url, b'{"queries": ["a"]}', path="/search")
     assert status == 404 and "/search" in payload["error"]
     answer = requests.get(url.replace("/retrieve", "/nope"), timeout=30)
@@ -398,7 +412,7 @@ def test_remote_retriever_errors(url):
     with pytest.raises(RuntimeError, match=r"HTTP 400.*'topk'"):
         R.RemoteRetriever(url).search(["a river"], topk=101)
     with pytest.raises(ValueError, match="queries"):
-        R.RemoteRetriever(url).search(["  "])
+        R.RemoteRetriever(url).search("a river")
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -430,6 +444,167 @@ def test_remote_retriever_retries_server_errors():
     assert answers == []
     server.shutdown()
     server.server_close()
+
+
+# --- issue 10: Search-R1's client, its launch line, load (each of these failed on the http.server version) ---
+
+def as_docs(result):
+    return [[{**item["document"], "score": item["score"]} for item in docs] for docs in result]
+
+
+def test_server_answers_search_r1_empty_batch_and_empty_query(fresh, url):
+    """Search-R1's trainer sends {"queries": []} when no row searched, and "" for <search> </search>."""
+    assert requests.post(url, json={"queries": []}, timeout=30).json() == {"result": []}
+    queries = ["", " ", NAME0]
+    answer = requests.post(url, json={"queries": queries, "topk": 3, "return_scores": True}, timeout=30)
+    assert answer.status_code == 200 and as_docs(answer.json()["result"]) == fresh.search(queries, 3)
+    assert [len(docs) for docs in answer.json()["result"]] == [3, 3, 3]
+    assert R.RemoteRetriever(url).search([]) == [] and R.RemoteRetriever(url).search([""]) == fresh.search([""])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_search_r1_launch_line(world, fresh, tmp_path):
+    """retrieval_launch.sh with our script name, on an index *file* (+ --port/--device, as this test needs)."""
+    index_file = str(tmp_path / "e5_Flat.index")
+    shutil.copy(os.path.join(world.index_dir, "index.faiss"), index_file)
+    port = free_port()
+    line = ["--index_path", index_file, "--corpus_path", world.corpus, "--topk", "2", "--retriever_name", "minilm",
+            "--retriever_model", "minilm", "--faiss_gpu"]
+    args = R.parse_args(line + ["--host", "0.0.0.0"])
+    assert (args.command, args.host, args.topk, args.faiss_gpu) == ("serve", "0.0.0.0", 2, True)
+    assert args.index == index_file and args.corpus == world.corpus
+    child = subprocess.Popen([sys.executable, os.path.join(ROOT, "retriever.py"), *line, "--port", str(port),
+                              "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for _ in range(600):
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                assert child.poll() is None, "the server exited"
+                time.sleep(0.2)
+        answer = requests.post(f"http://127.0.0.1:{port}/retrieve", json={"queries": [NAME0, "a king"],
+                                                                          "return_scores": True}, timeout=60)
+        assert as_docs(answer.json()["result"]) == fresh.search([NAME0, "a king"], 2)  # --topk is the default
+    finally:
+        child.terminate()
+        child.wait(timeout=60)
+    assert os.path.exists(index_file + ".twice/meta.json")
+    assert R.search_r1_prefixes("e5") == ("query: ", "passage: ") and R.search_r1_prefixes("bge")[1] == ""
+    with pytest.raises(SystemExit):
+        R.parse_args(["--index_path", index_file, "--retriever_name", "bm25"])
+
+
+def test_batcher_splits_big_requests_round_robin():
+    """A request of 100 queries goes in slices of 32 (64 a round); a 3-query one sent meanwhile rides in round 2."""
+    gate, calls = threading.Event(), []
+
+    class Recorder:
+        def search_batch(self, items):
+            calls.append([query for query, _ in items])
+            gate.wait(10)
+            return [[{"id": query}] for query, _ in items]
+
+    batcher = R.Batcher(Recorder())
+    big = batcher.submit([f"b{i}" for i in range(100)], 3)
+    while not calls:
+        time.sleep(0.01)
+    small = batcher.submit(["s0", "s1", "s2"], 3)
+    gate.set()
+    assert small.result(10) == [[{"id": "s0"}], [{"id": "s1"}], [{"id": "s2"}]]
+    assert [len(c) for c in calls] == [64, 39] and calls[1][32:35] == ["s0", "s1", "s2"]  # then b96..b99
+    assert [docs[0]["id"] for docs in big.result(10)] == [f"b{i}" for i in range(100)]
+    batcher.close()
+
+
+def test_big_request_does_not_stall_small_ones(world):
+    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    server, url = R.start_server(retriever)
+    big = R.bench_queries(240, "big")  # ~1.2 s of encoding on one free core
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            job = pool.submit(R._timed_post, url, big)
+            time.sleep(0.3)
+            small_s, small = R._timed_post(url, [NAME0])
+            small_done_first = not job.done()
+            big_s, big_result = job.result()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert small_done_first and small_s < big_s / 2, (small_s, big_s)
+    assert R.bench_exactness(retriever, [(big, big_result), ([NAME0], small)]) == 0
+    retriever.close()
+
+
+def test_concurrent_load_and_connection_burst(world, fresh, url):
+    """16 clients x 4 requests of 4 queries, then 64 connections opened at once: all answered, none waits 1 s."""
+    stats, sent = R.bench_load(url, clients=16, per_client=4, size=4)
+    assert stats["errors"] == 0 and R.bench_exactness(fresh, sent) == 0
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    barrier, body = threading.Barrier(64), json.dumps({"queries": [NAME0]}).encode()
+
+    def connect_and_ask(_):
+        barrier.wait()
+        start = time.perf_counter()
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.connect()  # a SYN dropped by a full listen queue is resent after 1 s
+        connect_s = time.perf_counter() - start
+        conn.request("POST", "/retrieve", body, {"Content-Type": "application/json"})
+        status = conn.getresponse().status
+        conn.close()
+        return connect_s, status
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(connect_and_ask, range(64)))
+    assert all(status == 200 for _, status in answers)
+    assert max(seconds for seconds, _ in answers) < 0.9, sorted(seconds for seconds, _ in answers)[-5:]
+
+
+def test_queries_per_request_are_capped(dense):
+    server, url = R.start_server(dense, max_queries=5)
+    try:
+        status, payload = post_raw(url, json.dumps({"queries": ["a king"] * 6}).encode())
+        assert status == 400 and re.search(r"'queries' holds 6 queries, at most 5 per request", payload["error"])
+        assert requests.post(url, json={"queries": ["a king"] * 5}, timeout=30).status_code == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_slow_clients_are_cut_off(dense):
+    server, url = R.start_server(dense, head_timeout=1.0, body_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as sock:
+            sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\n")  # and the rest of the head never comes
+            start = time.perf_counter()
+            assert sock.recv(1000) == b"" and time.perf_counter() - start < 5  # closed by the server
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as sock:
+            sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b'{"queries": ')
+            assert sock.recv(1000).startswith(b"HTTP/1.1 408 ")
+        assert requests.post(url, json={"queries": ["a river"]}, timeout=30).status_code == 200  # still serving
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,
+                                  b'{"queries": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_deeply_nested_json_gets_400(url, body):
+    status, payload = post_raw(url, body)
+    assert status == 400 and "nested too deeply" in payload["error"]
+
+
+def test_lone_surrogate_is_refused_not_retried(url):
+    status, payload = post_raw(url, b'{"queries": ["fine", "\\ud800"]}')
+    assert status == 400 and re.search(r"'queries'\[1\] is not valid Unicode", payload["error"])
+    dead = f"http://127.0.0.1:{free_port()}"  # a client that tried to send would fail with RuntimeError
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        R.RemoteRetriever(dead, retries=3, backoff=0.01).search(["\ud800"])
 
 
 # --- command line ---
