@@ -360,7 +360,7 @@ def test_make_reproduce_dry_run_prints_every_step_and_runs_nothing(tmp_path, siz
              f"{launch} --out_dir={run}-twice --retriever_url=http://127.0.0.1:8000/retrieve",
              f"eval.py --model $policy --data {sr1}/test/$t.jsonl --retriever_url http://127.0.0.1:8000/retrieve",
              f"--out {run}-twice/eval/$t.json",
-             f"eval.py report --paper {size} --out {run}-report.md GRPO={run}-grpo/eval TWICE={run}-twice/eval",
+             f"report.py paper --paper {size} --out {run}-report.md GRPO={run}-grpo/eval TWICE={run}-twice/eval",
              f"kill $(cat {runs}/retriever.pid)"]
     at = [text.find(s) for s in steps]
     assert -1 not in at and at == sorted(at), dict(zip(steps, at))
