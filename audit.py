@@ -26,16 +26,16 @@ Protocol (all rollouts through rollout.py's batched functions, many decisions x 
      over repeats; auxiliary tokens per decision (sampled beyond the factual episode; GRPO 0). Twins: rho = pooled
      within-decision correlation of U_r and U'_r, Var(D_coupled) / Var(D_independent) predicted and measured.
 
-Deviations (tagged `# DEVIATION:` below):
-  1. VinePPO's K in --vine_k are nested: the first K of max(K) rollouts per boundary and repeat (each an exact
+Deviations (README "Deviations"; tagged `# DEVIATION A<n>:` below):
+  A1. VinePPO's K in --vine_k are nested: the first K of max(K) rollouts per boundary and repeat (each an exact
      K-rollout estimate, repeats independent; the K of one repeat are correlated with each other).
-  2. Shortcut rows reuse twins rolled out without it: D = 0 and only y' counted where it fires; equal to
+  A2. Shortcut rows reuse twins rolled out without it: D = 0 and only y' counted where it fires; equal to
      run_twins(same_evidence_shortcut=True) twin for twin (tested).
-  3. Budget: "factual tokens" are the audited factual episodes' (the same in every repeat).
-  4. An estimate of exactly 0 is not a wrong sign (its rate is the `zero` column).
-  5. --data defaults to the world's train split: the decisions training credits (the test split asks about unseen
+  A3. Budget: "factual tokens" are the audited factual episodes' (the same in every repeat).
+  A4. An estimate of exactly 0 is not a wrong sign (its rate is the `zero` column).
+  A5. --data defaults to the world's train split: the decisions training credits (the test split asks about unseen
      entities: its warm-start sampled EM was 0.07 in our build, so nearly every A* there is 0).
-  6. The independent counterfactual rolls a self-twin out (the textbook baseline); run_twins(coupling=False) scores
+  A6. The independent counterfactual rolls a self-twin out (the textbook baseline); run_twins(coupling=False) scores
      it D = 0 like a coupled one: that rule is the separate row "independent as trainer".
 
 Launch (CPU; --threads 1 because a second thread made these tiny models ~10x slower on a shared 2-core machine):
@@ -193,7 +193,7 @@ def twins(model, tok, retr, facts, decisions, cfg, proto, coupling) -> dict:
         if coupling:
             res = [(x.twin, x.outcome, x.tokens) for x in
                    rollout.run_twins(model, tok, retr, chunk, proto, True, same_evidence_shortcut=False)]
-        else:  # DEVIATION: (6) every twin rolled out, a self-twin too
+        else:  # DEVIATION A6: every twin rolled out, a self-twin too
             eps = [rollout.branch(f, t, key_overrides={t: rollout.alt_key(f.key, t, j)},
                                   fresh_seed=rollout.fresh_key(f.key, rollout.UNCOUPLED_TAG, t, j))
                    for f, t, j in chunk]
@@ -247,7 +247,7 @@ def rollouts(model, tok, retr, rows, cfg) -> dict:
 def with_shortcut(u, tw, zero_self=False):
     """(D, tokens) with the same-evidence shortcut (and, zero_self, a self-twin scored 0 as run_twins does even
     uncoupled): D = 0 and only y' generated where it fires."""
-    # DEVIATION: (2) derived from the twins rolled out without it; equal to run_twins(same_evidence_shortcut=True).
+    # DEVIATION A2: derived from the twins rolled out without it; equal to run_twins(same_evidence_shortcut=True).
     fire = tw["same_evidence"] | (tw["self"] if zero_self else False)
     return np.where(fire, 0.0, u - tw["u"]), np.where(fire, tw["alt_tokens"], tw["tokens"])
 
@@ -262,7 +262,7 @@ def grpo_estimates(u, lines, decisions, eps) -> np.ndarray:
 def vine_estimates(x, episodes, decisions, k):
     """(N, R) VinePPO advantages from the first k rollouts per boundary (credit.vineppo_advantages per episode),
     and (N, R) their tokens: the k rollouts of the decision's own boundary s_t."""
-    # DEVIATION: (1) the K of --vine_k are nested subsets of the same kmax rollouts.
+    # DEVIATION A1: the K of --vine_k are nested subsets of the same kmax rollouts.
     v = credit.mc_value(x[:, :, :k, 0])  # (N, R) V_K(s_t)
     est = np.empty_like(v)
     for i, ep in enumerate(episodes):
@@ -306,7 +306,7 @@ def budgeted(raw, u, d, tokens, cfg) -> dict:
     rows = [where[n * R + r, t] for n, (_, t) in enumerate(decisions) for r in range(R)]  # F_r's decision turn
     p = crossfit_discordance(X[rows].reshape(N, R, -1), d != 0, np.array([i % 2 for i, _ in decisions]))
     factual = sum(ep.n_generated for ep in raw["episodes"])
-    # DEVIATION: (3) the budget is twin_budget x the audited factual episodes' tokens, in every repeat.
+    # DEVIATION A3: the budget is twin_budget x the audited factual episodes' tokens, in every repeat.
     est, q, branched = horvitz_thompson(d, p, c[rows].reshape(N, R), cfg.twin_budget * factual, cfg.q_min, cfg.seed)
     return {"est": est, "tokens": np.where(branched, tokens, 0.0), "p": p, "q": q}
 
@@ -343,7 +343,7 @@ def score(est, aux, a, thr, factual_tokens) -> dict:
     """Metrics of one estimator: est, aux (N, R) estimates and auxiliary tokens; a (N,) oracle A*."""
     big, R, mean = np.abs(a) > thr, est.shape[1], est.mean(1)
     rate = lambda x: float(x[big].mean()) if big.any() else math.nan  # noqa: E731
-    return {"wrong_sign": rate(np.sign(est) * np.sign(a)[:, None] < 0),  # DEVIATION: (4) 0 is no sign
+    return {"wrong_sign": rate(np.sign(est) * np.sign(a)[:, None] < 0),  # DEVIATION A4: 0 is no sign
             "wrong_sign_mean": rate(np.sign(mean) * np.sign(a) < 0), "zero": rate(est == 0),
             "corr": pearson(est, np.repeat(a[:, None], R, 1)), "corr_mean": pearson(mean, a),
             "var": float(est.var(1, ddof=1).mean()), "aux_tokens": float(aux.mean()),

@@ -15,13 +15,13 @@ HGPO, IGPO, ARPO, SPA-RL, AgentPRM (targets and losses only: learned estimators 
 Inputs are numpy arrays, lists or torch tensors (copied to float64 numpy); outputs are numpy. Group and state keys
 are any hashables (ints, strings, tuples); grouping uses equality only, never Python's hash() order.
 
-Deviations (tagged `# DEVIATION:` below):
-1. Groups of size 1 get advantage 0 (verl uses mean 0, std 1 there, i.e. the raw score).
-2. solve_budget: decisions with p_t = 0 stay at q_min until every p_t > 0 decision is at q = 1; only then does the
+Deviations (README "Deviations"; tagged `# DEVIATION C<n>:` below):
+C1. Groups of size 1 get advantage 0 (verl uses mean 0, std 1 there, i.e. the raw score).
+C2. solve_budget: decisions with p_t = 0 stay at q_min until every p_t > 0 decision is at q = 1; only then does the
    rest of the budget go to them, evenly. DESIGN.md does not say; this keeps sum q c = budget on the whole range.
-3. HGPO: a level whose group is a singleton contributes 0 and is left out of the weight normalisation.
-4. ARPO: Normalize(H_t - H_init) divides by log|V|, as the official code does; the paper leaves it open.
-5. CRAFT pillar 1 is our reading of a two-paragraph description: see `craft_token_importance`.
+C3. HGPO: a level whose group is a singleton contributes 0 and is left out of the weight normalisation.
+C4. ARPO: Normalize(H_t - H_init) divides by log|V|, as the official code does; the paper leaves it open.
+C5. CRAFT pillar 1 is our reading of a two-paragraph description: see `craft_token_importance`.
 
 No entry point: train_twice.py and audit.py import these functions. Tests: `python -m pytest -q tests/test_credit.py`.
 """
@@ -76,7 +76,7 @@ def grpo_advantages(rewards, group_ids, eps=1e-6, normalize_std=True) -> np.ndar
     lo, hi = np.full(len(n), np.inf), np.full(len(n), -np.inf)
     np.minimum.at(lo, g, x)
     np.maximum.at(hi, g, x)
-    out[(hi == lo)[g]] = 0.0  # DEVIATION: singletons -> 0; constant groups exactly 0 (mean may round off by an ulp)
+    out[(hi == lo)[g]] = 0.0  # DEVIATION C1: singletons -> 0; constant groups exactly 0 (mean may round off by an ulp)
     return out
 
 
@@ -113,7 +113,7 @@ def solve_budget(p, c, budget, q_min=0.05, rule="sqrt") -> Budget:
         q, lam = np.ones_like(p), math.inf
     elif budget <= q_min * total:
         q, lam = np.full_like(p, q_min), 0.0
-    elif budget >= full:  # DEVIATION: leftover spread evenly over the p = 0 decisions (deviation 2)
+    elif budget >= full:  # DEVIATION C2: leftover spread evenly over the p = 0 decisions
         q, lam = np.where(pos, 1.0, q_min + (budget - full) / c[~pos].sum()), math.inf
     else:
         lo, hi = q_min / w[pos].max(), 1.0 / w[pos].min()  # f(lo) = q_min * total < budget <= full = f(hi)
@@ -404,7 +404,7 @@ def hgpo_advantages(context_keys_per_level, returns, alpha=1.0, eps=1e-6) -> np.
     level-k context group, w_k = (k+1)^alpha / sum_k' (k'+1)^alpha.
 
     A level where the step's group is a singleton says nothing about the action: it contributes 0 and its weight
-    leaves the normalisation (# DEVIATION: deviation 3). A step with no shared level gets 0.
+    leaves the normalisation (# DEVIATION C3). A step with no shared level gets 0.
     """
     R = _np(returns).reshape(-1)
     num, den = np.zeros_like(R), np.zeros_like(R)
@@ -436,7 +436,7 @@ def igpo_advantages(answer_logprobs, outcomes, group_ids, gamma=1.0, eps=1e-6) -
 
 def arpo_branch(entropy, entropy_init, alpha, beta, tau, vocab_size) -> np.ndarray:
     """ARPO (Dong et al. 2025) entropy-triggered branching: P_t = alpha + beta * Normalize(H_t - H_initial),
-    branch iff P_t > tau. # DEVIATION: Normalize = / log|V| (ARPO's released code; deviation 4). The official code also
+    branch iff P_t > tau. # DEVIATION C4: Normalize = / log|V| (ARPO's released code). The official code also
     draws alpha ~ U(0, 1) per candidate: pass an array of keyed uniforms for that."""
     dh = (_np(entropy) - _np(entropy_init)) / math.log(vocab_size)
     return _np(alpha) + beta * dh > tau
@@ -485,13 +485,13 @@ def soft_bce(q_pred, q_target, eps=1e-7) -> float:
 def craft_token_importance(gaps, advantages, beta=1.0) -> np.ndarray:
     """CRAFT pillar 1, counterfactual token importance: signed credit C_{i,t} per rollout i and turn t.
 
-    Our reading of the seed (# DEVIATION: deviation 5): to estimate how the group advantage would change if the
+    Our reading of the seed (# DEVIATION C5): to estimate how the group advantage would change if the
     policy at turn t were tilted toward the teacher (the same policy with privileged context), reweight the G-1
     siblings j != i by the teacher/student likelihood ratio of their own turn-t decision,
         w_j = exp(beta * g_{j,t}),  g_{j,t} = sum over the turn's tokens of (log pi_teacher - log pi_student),
         C_{i,t} = sum_j w_j A_j / sum_j w_j - mean_j A_j   (self-normalised importance sampling, j over siblings
     that have a turn t). C > 0: following the teacher at turn t raises the advantage; C < 0: it would hurt.
-    # DEVIATION: computed per turn and broadcast to the turn's tokens (e.g. with token_advantages), because
+    # DEVIATION C5: computed per turn and broadcast to the turn's tokens (e.g. with token_advantages), because
     sibling tokens cannot be aligned position by position. gaps: (G, T), NaN where a rollout has no turn t;
     advantages: (G,) GRPO advantages. Returns (G, T); 0 where rollout i has no turn t or no sibling has one.
     """

@@ -6,7 +6,7 @@ huggingface_hub.hf_hub_download at a pinned commit, then checked against the hub
 schema of tinyworld.py (`id`, `question`, `golden_answers`, `data_source`); see the comment above SR1_TRAIN. A rerun
 skips every finished step and file; a transfer that breaks is continued from where it stopped inside
 hf_hub_download, but a file whose download was abandoned (process killed, every retry failed) starts over.
-DEVIATION: training-time evaluation uses val.jsonl (100 questions per test set); final policies are scored on every
+DEVIATION D1: training-time evaluation uses val.jsonl (100 questions per test set); final policies are scored on every
 question by eval.py.
 
 Launch:
@@ -195,7 +195,7 @@ def convert_flashrag(src: str, name: str, dest: str) -> int:
 
 def write_val(test_files: dict, dest: str, per_source: int, seed: int = 0) -> int:
     """A fixed random sample of `per_source` questions of each test set (in file order), for periodic evaluation.
-    # DEVIATION: Search-R1 validates on all 51,713 test questions every test_freq steps; with HF generate that would
+    # DEVIATION D1: Search-R1 validates on all 51,713 test questions every test_freq steps; with HF generate that would
     cost hours per evaluation, so training curves use this sample and only the final policy is scored on everything."""
     import eval as qa_eval
     rows = []

@@ -26,14 +26,14 @@ DESIGN.md section 5, replays a query inside another batch and must see the same 
       as the exactly rounded sum of exact float64 products (math.fsum): a function of (query, row) alone. The batch
       could only matter if more than CANDIDATE_MARGIN rows were within float32 rounding of the k-th score.
 
-Deviations from Search-R1 (tagged `# DEVIATION:` in the code)
-1. Scores are the exact inner products of (2), not FAISS's float32 sums (they differ by ~1e-7).
-2. "return_scores": false (the default of Search-R1's schema) answers [{"document": {...}}, ...] per query, where
+Deviations from Search-R1 (README "Deviations"; tagged `# DEVIATION S<n>:` in the code)
+S1. Scores are the exact inner products of (2), not FAISS's float32 sums (they differ by ~1e-7).
+S2. "return_scores": false (the default of Search-R1's schema) answers [{"document": {...}}, ...] per query, where
    Search-R1's server crashes. "topk" defaults to 3 and must be in [1, 100]; a topk above the corpus size returns
    every row (FAISS would pad with row -1).
-3. Malformed requests get HTTP 400 {"error": "..."} naming the field (FastAPI: 422).
-4. An fp16 encoder's hidden states are pooled and normalised in float32 (Search-R1 pools in fp16).
-Server deviations (tagged `# DEVIATION S10:` ...; README "Retriever server reliability")
+S3. Malformed requests get HTTP 400 {"error": "..."} naming the field (FastAPI: 422).
+S4. An fp16 encoder's hidden states are pooled and normalised in float32 (Search-R1 pools in fp16).
+Server deviations (README "Retriever server reliability")
 S10. At most MAX_QUERIES queries per request (400 naming the cap; --max_queries); Search-R1 has no cap.
 S11. A query that is not valid Unicode (a lone surrogate) is refused with 400; Search-R1's server answers 500.
 S12. A request head must arrive within HEAD_TIMEOUT s and its body within BODY_TIMEOUT s (else closed / 408);
@@ -202,7 +202,7 @@ class Encoder:
     @torch.inference_mode()
     def _pool(self, batch) -> np.ndarray:
         batch = batch.to(self.device)
-        # DEVIATION: 4. an fp16 model's hidden states are pooled in fp32
+        # DEVIATION S4: an fp16 model's hidden states are pooled in fp32
         hidden = self.model(**batch).last_hidden_state.float()  # (B, T, H)
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
         pooled = (hidden * mask).sum(1) / mask.sum(1)  # (B, H) mean over real tokens
@@ -448,13 +448,13 @@ class DenseRetriever:
         return [[dict(doc) for doc in found[key]] for key in items]
 
     def _search_vectors(self, vecs: np.ndarray, topk: int) -> list:
-        k = min(topk + CANDIDATE_MARGIN, self.n_rows)  # DEVIATION: 2. never more rows than the corpus has
+        k = min(topk + CANDIDATE_MARGIN, self.n_rows)  # DEVIATION S2: never more rows than the corpus has
         _, candidates = self.index.search(vecs, k)  # (Q, k) rows; FAISS's own scores depend on the batch
         results = []
         for query, rows in zip(vecs.astype(np.float64), candidates):
             rows = rows[rows >= 0]
             products = self.vectors.reconstruct_batch(rows).astype(np.float64) * query  # (k, dim), exact
-            scores = np.array([math.fsum(p) for p in products.tolist()])  # DEVIATION: 1. exact, Determinism (2)
+            scores = np.array([math.fsum(p) for p in products.tolist()])  # DEVIATION S1: exact, Determinism (2)
             best = np.lexsort((rows, -scores))[:topk]
             results.append([{**self._row(int(rows[j])), "score": float(scores[j])} for j in best])
         return results
@@ -535,7 +535,7 @@ def parse_body(body: bytes, default_topk: int = TOPK, max_queries: int = MAX_QUE
 
 def _wire(doc: dict, return_scores: bool) -> dict:
     item = {"document": {"id": doc["id"], "contents": doc["contents"]}}
-    if return_scores:  # DEVIATION: 2. without return_scores Search-R1's server crashes; here the score is left out
+    if return_scores:  # DEVIATION S2: without return_scores Search-R1's server crashes; here the score is left out
         item["score"] = doc["score"]
     return item
 
@@ -636,7 +636,7 @@ def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_querie
         try:
             queries, topk, return_scores = await loop.run_in_executor(None, parse_body, body, default_topk,
                                                                       max_queries)
-        except ValueError as e:  # DEVIATION: 3. 400 naming the field (FastAPI: 422 in its own shape)
+        except ValueError as e:  # DEVIATION S3: 400 naming the field (FastAPI: 422 in its own shape)
             return _error(400, str(e))
         try:
             results = await asyncio.wrap_future(batcher.submit(queries, topk)) if queries else []

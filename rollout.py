@@ -14,13 +14,14 @@ pure function of its key: any episode regenerates alone, in any batch, with any 
 Twins (DESIGN.md section 5) replace one turn's key by alt_key(episode_key, t, j) and replay the factual keys after
 it: D_t = U - U' (E[D_t | s_t, y_t] = Q(s_t, y_t) - V(s_t)).
 
-Deviations (each tagged `# DEVIATION:` below):
-  1. An empty or whitespace-only search query is an invalid action (Search-R1 sends "" to the retriever).
-  2. Queries longer than `max_query_chars` are truncated before retrieval (Search-R1 sends them whole).
-  3. An episode whose context reaches `max_context` tokens ends there, scored on its response so far; observations
+Deviations (README "Deviations"; each tagged `# DEVIATION R<n>:` below):
+  R1. An empty or whitespace-only search query is an invalid action (Search-R1 sends "" to the retriever).
+  R2. Queries longer than `max_query_chars` are truncated before retrieval (Search-R1 sends them whole).
+  R3. An episode whose context reaches `max_context` tokens ends there, scored on its response so far; observations
      are cut to fit (Search-R1 left-truncates the rolling context instead, which would change what later tokens
      condition on between a factual episode and its twin).
-  4. An EOS token stays in the response as sampled (loss mask 1); Search-R1's decode/re-encode drops it.
+  R4. An EOS token stays in the response as sampled (loss mask 1); Search-R1's decode/re-encode drops it.
+  R5. The reward and the recorded answer come from the agent's own sampled text, never observations.
 
 Launch: `python rollout.py bench` (keyed vs multinomial generation time, CPU or GPU); the episode loop is driven by
 train_twice.py and audit.py.
@@ -85,7 +86,7 @@ def parse_action(text: str):
     """First `<search>...</search>` or `<answer>...</answer>` of a turn -> (action, stripped content).
 
     Returns (None, "") when the turn holds neither. An empty (or whitespace-only) search query is not a valid
-    action here (# DEVIATION: Search-R1 would send the empty string to the retriever).
+    action here (# DEVIATION R1: Search-R1 would send the empty string to the retriever).
     """
     match = ACTION_RE.search(text)
     if match is None:
@@ -139,12 +140,12 @@ class Protocol:
     topk: int = 3                 # documents per search
     max_new_tokens: int = 500     # sampled tokens per turn
     max_obs_tokens: int = 500     # observation (information block / invalid-action message) tokens, cut after this
-    max_context: int = 4096       # prompt + response tokens; an episode that reaches it ends (DEVIATION 3)
+    max_context: int = 4096       # prompt + response tokens; an episode that reaches it ends (DEVIATION R3)
     temperature: float = 1.0      # T; 0 = greedy (evaluation)
     top_p: float = 1.0            # nucleus mass kept before the noise; 1 = off
     top_k: int = 0                # most likely tokens kept before the noise; 0 = off
     gen_batch_size: int = 64      # rows per generate call (episodes sorted by context length, then chunked)
-    max_query_chars: int = 1024   # a search query is cut to this many characters before retrieval (DEVIATION 2)
+    max_query_chars: int = 1024   # a search query is cut to this many characters before retrieval (DEVIATION R2)
     fused_sampler: bool = False   # torch.compile the keyed sampler into one kernel (use on GPU; eager is reference)
 
 
@@ -596,7 +597,7 @@ def _add_turn(ep, gen, tokenizer) -> Turn:
     start = len(ep.ids)
     turn = Turn(start, start + len(gen.ids), start + len(gen.ids), start + len(gen.ids), text, action, content, (),
                 gen.logprobs, gen.entropy, gen.key, gen.stop)
-    ep.ids += gen.ids  # DEVIATION: (4) an EOS ending the turn stays, as sampled (Search-R1's re-encode drops it)
+    ep.ids += gen.ids  # DEVIATION R4: an EOS ending the turn stays, as sampled (Search-R1's re-encode drops it)
     ep.mask += [1] * len(gen.ids)
     ep.n_generated += len(gen.ids)
     ep.turns.append(turn)
@@ -639,14 +640,14 @@ def execute_turn(tokenizer, retriever, episodes, gens, proto):
         else:
             _add_observation(ep, turn, tokenizer, INVALID_ACTION_MSG, proto)
     if searches:
-        # DEVIATION: (2) an over-long query is cut to max_query_chars before retrieval.
+        # DEVIATION R2: an over-long query is cut to max_query_chars before retrieval.
         docs = retriever.search([turn.content[:proto.max_query_chars] for _, turn in searches], topk=proto.topk)
         for (ep, turn), hits in zip(searches, docs):
             turn.doc_ids = tuple(str(d["id"]) for d in hits)
             _add_observation(ep, turn, tokenizer, information_block(_format_docs(hits)), proto)
     for ep in episodes:
         if not ep.done and len(ep.prompt_ids) + len(ep.ids) >= proto.max_context:
-            finish(ep, tokenizer)  # DEVIATION: (3) the context is full: the episode ends, no left truncation
+            finish(ep, tokenizer)  # DEVIATION R3: the context is full: the episode ends, no left truncation
 
 
 def step_turn(model, tokenizer, retriever, episodes, proto):

@@ -20,10 +20,10 @@ pipeline, so that `train_twice.py` runs through the same code paths on a CPU in 
   entity; "confusable" people: search the look-alike), so greedy decoding fails there and RL can fix it.
 - world.json (written last): the entity table and every statistic of DESIGN.md section 9.
 
-Deviations:
-1. Tokenizer: word-level instead of Qwen2.5's BPE, so that a ~1M-parameter model can copy names; the chat
+Deviations (README "Deviations"):
+W1. Tokenizer: word-level instead of Qwen2.5's BPE, so that a ~1M-parameter model can copy names; the chat
    template is ChatML without Qwen's default system message (fewer prompt tokens).
-2. The behaviour-cloning forward pass computes the shared prompt prefix (chat header + instruction) once per
+W2. The behaviour-cloning forward pass computes the shared prompt prefix (chat header + instruction) once per
    batch and expands its KV cache; this is exact (tested against the plain forward pass) and ~2x faster.
 
 Launch:
@@ -262,7 +262,7 @@ def fix_retrieval(world, work_dir, seed, max_rounds=6):
 
 def build_tokenizer(world, questions):
     """Qwen2Tokenizer (what AutoTokenizer loads for a qwen2 folder) whose BPE is trained until every word of the world
-    is one token; tags are added non-special tokens (decode as text), ChatML specials as in Qwen2.5 (DEVIATION 1)."""
+    is one token; tags are added non-special tokens (decode as text), ChatML specials as in Qwen2.5 (DEVIATION W1)."""
     from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
     texts = [INSTRUCTION, INVALID_ACTION_MSG, "user\nassistant\nQuestion: \n\n", "0 1 2 3 4 5 6 7 8 9"]
@@ -434,7 +434,7 @@ def common_prefix(seqs):
 def bc_loss(model, prefix, ids, mask, attn, emb=None):
     """Mean NLL of the loss-masked tokens, with the tied embedding matrix `emb` (V, H) (default: the model's).
 
-    `prefix` (P,) is shared by every row: its KV is computed once and expanded (exact, DEVIATION 2); ids, mask and
+    `prefix` (P,) is shared by every row: its KV is computed once and expanded (exact, DEVIATION W2); ids, mask and
     attn (B, T) are the right-padded rest of each episode.
     """
     import torch
