@@ -188,6 +188,7 @@ def convert_flashrag(src: str, name: str, dest: str) -> int:
         missing = [k for k in ("id", "question", "golden_answers") if k not in r]
         if missing:
             raise ValueError(f"{src}:{lineno}: missing field(s) {missing}")
+        # DEVIATION D4: FlashRAG numbers every dataset from train_0, and rollout keys prompts by id: prefix the source
         rows.append({"id": f"{name}_{r['id']}", "question": r["question"],
                      "golden_answers": _as_list(r["golden_answers"]), "data_source": name})
     return _write_qa(rows, dest, src)

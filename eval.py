@@ -6,7 +6,8 @@ agent's own sampled text only (DEVIATION R5); Search-R1's `qa_em.compute_score_e
 the prompt's `<answer> Beijing </answer>` example by requiring two matches.
 
 Launch:
-  python eval.py --model runs/demo/twice/step_000030/policy --data data/tinyworld/test.jsonl --index data/tinyworld/index
+  python eval.py --model runs/demo/twice/step_000030/policy --data data/tinyworld/test.jsonl \
+      --index data/tinyworld/index
   python eval.py --help                                  # every option with its default
 The paper's table from result files is report.py's (`python report.py paper GRPO=DIR TWICE=DIR --paper 3b`).
 """
@@ -97,7 +98,7 @@ def read_jsonl(path: str):
 
 
 def write_jsonl(path: str, rows):
-    """One JSON object per line, UTF-8, non-ASCII kept as is (the format every QA and corpus file of the project uses)."""
+    """One JSON object per line, UTF-8, non-ASCII kept as is (every QA and corpus file of the project)."""
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")

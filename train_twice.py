@@ -400,7 +400,8 @@ def setup(cfg: Config) -> Run:
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     policy, opt = accel.prepare(policy, opt)
     return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt,
-               methods.make(cfg), credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay), qa_eval.load_qa(cfg.train_data),
+               methods.make(cfg), credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay),
+               qa_eval.load_qa(cfg.train_data),
                n_micro, weight_norm(accel, policy))
 
 
