@@ -311,6 +311,27 @@ def budgeted(raw, u, d, tokens, cfg) -> dict:
     return {"est": est, "tokens": np.where(branched, tokens, 0.0), "p": p, "q": q}
 
 
+def shortcut_bias(d_with, d_without, tok_with, tok_without, fired) -> dict:
+    """What the same-evidence shortcut costs in bias and saves in tokens, per decision. The signed mean of
+    (with - without) over decisions is ~0 by symmetry for any world (sum_y pi(y) b(y) = 0), so the figure is the
+    per-decision bias b_n = mean_r (D_with - D_without), (N, R) arrays: mean |b_n| over the decisions where the
+    shortcut fires, its SE over decisions, and the noise floor mean_n SE(b_n) (|b_n| of a bias-free decision is
+    about 0.8 SE(b_n))."""
+    R = d_with.shape[1]
+    b = (d_with - d_without).mean(1)  # (N,)
+    se_b = (d_with - d_without).std(1, ddof=1) / math.sqrt(R)
+    where = fired.any(1)
+    n = int(where.sum())
+    abs_b = np.abs(b[where])
+    return {"fire_rate": float(fired.mean()), "decisions_fired": n,
+            "mean_abs_bias": float(abs_b.mean()) if n else 0.0,
+            "mean_abs_bias_se": float(abs_b.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan,
+            "noise_floor": float(math.sqrt(2 / math.pi) * se_b[where].mean()) if n else 0.0,
+            "signed_mean_bias": float(b.mean()),
+            "tokens_saved_per_decision": float((tok_without - tok_with).mean()),
+            "tokens_saved_share": float((tok_without - tok_with).sum() / max(tok_without.sum(), 1))}
+
+
 def estimates(raw: dict, cfg) -> tuple:
     """{name: ((N, R) estimates, (N, R) auxiliary tokens)} and side results (shortcut, budget)."""
     decisions, episodes, tc, ti = raw["decisions"], raw["episodes"], raw["coupled"], raw["independent"]
@@ -324,9 +345,7 @@ def estimates(raw: dict, cfg) -> tuple:
             "GRPO": (grpo_estimates(u, raw["lines"], decisions, TRAIN.adv_eps), np.zeros((N, R)))}
     for k in vine_ks(cfg):
         ests[f"VinePPO K={k}"] = vine_estimates(raw["vine"], episodes, decisions, k)
-    diff = (d_sc - (u - tc["u"])).mean(1)  # per decision: shortcut bias
-    shortcut = {"fire_rate": float(tc["same_evidence"].mean()), "bias": float(diff.mean()),
-                "bias_se": float(diff.std(ddof=1) / math.sqrt(N)) if N > 1 else math.nan}
+    shortcut = shortcut_bias(d_sc, u - tc["u"], tok_sc, tc["tokens"], tc["same_evidence"])
     return ests, {"u": u, "p": bud["p"], "q": bud["q"], "shortcut": shortcut,
                   "factual_tokens": sum(ep.n_generated for ep in episodes),
                   "grpo_group_tokens": float(np.mean([ep.n_generated for ep in episodes]) +
@@ -449,8 +468,10 @@ def report(res: dict) -> str:
         f"spreads of U ({fmt(cp['sd_u'])}) and U' ({fmt(cp['sd_u_twin'])}); measured {fmt(cp['measured_ratio'])}. "
         f"Twin outcome equals the factual outcome: {fmt(cp['agree_coupled'], '%')} coupled, "
         f"{fmt(cp['agree_independent'], '%')} independent.",
-        f"- Same-evidence shortcut: fires on {fmt(sc['fire_rate'], '%')} of twins; bias (with - without) "
-        f"{sc['bias']:+.4f} +- {sc['bias_se']:.4f} (SE over decisions).",
+        f"- Same-evidence shortcut: fires on {fmt(sc['fire_rate'], '%')} of twins ({sc['decisions_fired']} "
+        f"decisions); per-decision bias mean |b| {sc['mean_abs_bias']:.4f} +- {sc['mean_abs_bias_se']:.4f} (SE over "
+        f"decisions; noise floor {sc['noise_floor']:.4f}, signed mean {sc['signed_mean_bias']:+.4f}); saves "
+        f"{sc['tokens_saved_per_decision']:.1f} twin tokens per decision ({fmt(sc['tokens_saved_share'], '%')}).",
         f"- Oracle: mean SE of A* {o['mean_se']:.3f}; expected share of thresholded decisions whose A* has the wrong "
         f"sign itself {fmt(o['sign_noise_floor'], '%')}; reliability 1 - mean SE^2 / Var(A*) {fmt(o['reliability'])}.",
         "- Correlation ceiling of one unbiased estimate with variance v: sqrt(Var(A*) / (Var(A*) + v)), Var(A*) = "

@@ -329,3 +329,17 @@ def test_cli_smoke(tiny_world, tmp_path):
         assert all(m[k] is None or -1 <= m[k] <= 1 for k in ("corr", "corr_mean"))
     assert saved["metrics"]["GRPO"]["aux_tokens"] == 0 and saved["metrics"]["VinePPO K=2"]["aux_tokens"] > 0
     assert os.path.getsize(out / "audit_scatter.png") > 1000
+
+
+def test_shortcut_bias_is_per_decision_not_a_signed_mean():
+    """Two decisions whose shortcut biases are +0.5 and -0.5: the signed mean is 0 (the old figure), the
+    per-decision mean |b| is 0.5; tokens saved are what the rolled-out twins cost where it fired."""
+    d_without = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    d_with = d_without + np.array([[0.5, 0.5], [-0.5, -0.5], [0.0, 0.0]])
+    fired = np.array([[True, True], [True, True], [False, False]])
+    tok_without, tok_with = np.full((3, 2), 10.0), np.where(fired, 2.0, 10.0)
+    sc = audit.shortcut_bias(d_with, d_without, tok_with, tok_without, fired)
+    assert sc["signed_mean_bias"] == 0.0 and sc["mean_abs_bias"] == 0.5 and sc["decisions_fired"] == 2
+    assert sc["noise_floor"] == 0.0 and sc["mean_abs_bias_se"] == 0.0
+    assert sc["tokens_saved_per_decision"] == pytest.approx(8 * 4 / 6)
+    assert sc["tokens_saved_share"] == pytest.approx(32 / 60)
