@@ -8,7 +8,7 @@ SEED    ?= 0
 export HF_HUB_OFFLINE ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test test-slow world index demo demo-compare audit eval
+.PHONY: install test test-slow world index demo demo-compare compare-methods audit eval
 
 install: $(VENV)/.installed
 
@@ -50,6 +50,20 @@ demo-compare: install $(WORLD)/world.json
 	  OMP_NUM_THREADS=1 $(PY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(WORLD) --seed=$$s --omega=$$o \
 	    --out_dir=$(COMPARE)/omega$$o-seed$$s || exit 1; done; done
 	$(PY) report.py compare $(COMPARE)/omega*-seed*
+
+# Every method at the same total of generated tokens (factual + auxiliary) per run (issue 15): one run per method and
+# seed from PRESET, each stopped by token_budget (a method that spends tokens on twins or continuations gets fewer
+# steps); prints the table (EM at token marks, area under EM-vs-tokens, tokens to GRPO's final EM, wall time) and
+# writes $(CMP)/compare_methods.png. One thread per run: reruns give the same numbers. Quick variant: SEEDS=0.
+PRESET   ?= configs/chains.cfg
+METHODS  ?= grpo twice
+CMP      ?= runs/compare-methods
+compare-methods: install
+	for s in $(SEEDS); do for m in $(METHODS); do \
+	  [ -f $(CMP)/$$m-seed$$s/config.json ] && grep -q '"final": true' $(CMP)/$$m-seed$$s/metrics.jsonl && continue; \
+	  OMP_NUM_THREADS=1 $(PY) train_twice.py $(PRESET) $(if $(filter command line,$(origin WORLD)),--world=$(WORLD)) --seed=$$s --method=$$m \
+	    --out_dir=$(CMP)/$$m-seed$$s --overwrite || exit 1; done; done
+	$(PY) report.py methods $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(CMP)/$(m)-seed$(s)))
 
 # Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages.
 audit: install $(WORLD)/world.json

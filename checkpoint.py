@@ -41,7 +41,7 @@ def save(cfg, run, step: int) -> str:
         accel.unwrap_model(run.policy).save_pretrained(os.path.join(tmp, "policy"))
         run.tok.save_pretrained(os.path.join(tmp, "policy"))
         state = {"config": dataclasses.asdict(cfg), "step": step, "predictor": run.predictor.state_dict(),
-                 "method": run.method.state_dict(),
+                 "method": run.method.state_dict(), "tokens": run.tokens,
                  "sigma_hat": run.sigma_hat.state_dict(), **_provenance()}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(state, f)
@@ -52,8 +52,8 @@ def save(cfg, run, step: int) -> str:
     return final
 
 
-RESUME_FREE = {"resume", "steps", "eval_every", "eval_size", "save_every", "out_dir", "overwrite", "log_tensorboard",
-               "log_wandb", "wandb_project"}
+RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_size", "save_every", "out_dir", "overwrite",
+               "log_tensorboard", "log_wandb", "wandb_project"}
 
 
 def load(cfg, run) -> int:
@@ -72,6 +72,7 @@ def load(cfg, run) -> int:
     run.predictor.load_state_dict(state["predictor"])
     run.sigma_hat.load_state_dict(state["sigma_hat"])
     run.method.load_state_dict(state["method"])
+    run.tokens = int(state["tokens"])
     return int(state["step"])
 
 

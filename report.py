@@ -4,6 +4,7 @@ eval.py result files), never another module's internals.
 Usage:
   python report.py run runs/demo/twice                         # learning_curve.png + the before/after table
   python report.py compare runs/demo-compare/omega*-seed*      # GRPO vs TWICE table and compare.png
+  python report.py methods runs/compare-methods/*-seed*        # every method at equal tokens, compare_methods.png
   python report.py paper GRPO=runs/x-grpo/eval TWICE=runs/x-twice/eval --paper 3b --out report.md   # paper's table
 """
 import argparse
@@ -12,6 +13,14 @@ import os
 import sys
 
 import numpy as np
+
+
+def tokens_str(n: float) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k" if n >= 1e4 else f"{n:.0f}"
+
+
+def mean_sd(xs, spec=".3f") -> str:
+    return f"{np.mean(xs):{spec}} +- {np.std(xs):{spec}}" if len(xs) > 1 else f"{xs[0]:{spec}}"
 
 
 def read_rows(out_dir: str) -> list:
@@ -73,8 +82,6 @@ def compare_runs(run_dirs) -> str:
         cfg = json.load(open(os.path.join(d, "config.json")))
         name = "GRPO" if cfg["omega"] == 0 else "TWICE" if cfg["coupling"] else "independent"
         groups.setdefault(name, []).append(read_rows(d))
-    def mean_sd(xs):
-        return f"{np.mean(xs):.3f} +- {np.std(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
     evals = sorted({r["step"] for runs in groups.values() for rows in runs for r in rows if "eval_em" in r})
     head = ["method", "seeds"] + [f"EM@{s}" for s in evals] + ["train reward", "tokens / GRPO", "twins / step",
                                                                 "self-twins", "shortcuts"]
@@ -194,6 +201,83 @@ def paper_main(argv=None):
     return text
 
 
+# --- every method at equal generated tokens (`make compare-methods`) ---
+
+def method_of(cfg: dict) -> str:
+    if "method" in cfg:
+        return cfg["method"] if cfg["method"] != "twice" or cfg.get("coupling", True) else "twice-uncoupled"
+    return "grpo" if cfg["omega"] == 0 else "twice" if cfg["coupling"] else "twice-uncoupled"
+
+
+def em_vs_tokens(rows: list) -> list:
+    """[(generated tokens when measured, greedy EM)] of a run: a step's eval runs before that step's tokens."""
+    points, before = [], 0
+    for r in rows:
+        if "eval_em" in r:
+            points.append((r["tokens"] if r.get("final") else before, r["eval_em"]))
+        before = r.get("tokens", before)
+    return points
+
+
+def em_at(points: list, tokens: float) -> float:
+    """EM of the last evaluation at or before `tokens` (a step function)."""
+    return max((p for p in points if p[0] <= tokens), default=(0, float("nan")))[1]
+
+
+def auc(points: list, budget: float) -> float:
+    """Mean EM over [0, budget] generated tokens of the step function em_at (area / budget)."""
+    xs = sorted({0.0, budget, *[t for t, _ in points if t < budget]})
+    return sum(em_at(points, a) * (b - a) for a, b in zip(xs, xs[1:])) / budget
+
+
+def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
+    """Markdown: one row per method (mean +- sd over seeds): greedy EM at `checkpoints` equally spaced token counts
+    up to the shared budget, area under EM-vs-tokens, tokens to reach GRPO's final EM, steps, wall time; and a PNG
+    of EM against generated tokens (mean, sd band)."""
+    runs = {}
+    for d in run_dirs:
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        runs.setdefault(method_of(cfg), []).append((cfg, read_rows(d)))
+    budget = max(cfg["token_budget"] or max(r.get("tokens", 0) for r in rows) for m in runs.values() for cfg, rows in m)
+    marks = [budget * (k + 1) / checkpoints for k in range(checkpoints)]
+    grpo_final = np.mean([em_vs_tokens(rows)[-1][1] for _, rows in runs.get("grpo", [])]) if "grpo" in runs else None
+    head = ["method", "seeds"] + [f"EM@{tokens_str(m)}" for m in marks] + ["AUC", "tokens to GRPO's final",
+                                                                           "steps", "wall min"]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for name in sorted(runs, key=lambda n: (n != "grpo", n != "twice", n)):
+        curves = [em_vs_tokens(rows) for _, rows in runs[name]]
+        reach = [next((t for t, em in c if grpo_final is not None and em >= grpo_final), np.nan) for c in curves]
+        cells = [name, str(len(curves))]
+        cells += [mean_sd([em_at(c, m) for c in curves]) for m in marks] + [mean_sd([auc(c, budget) for c in curves])]
+        reached = np.isfinite(reach)
+        cells.append("-" if grpo_final is None else "never" if not reached.any() else
+                     f"{tokens_str(np.nanmean(reach))} ({reached.sum()}/{len(reach)} reach)")
+        cells.append(mean_sd([max(r["step"] for r in rows) for _, rows in runs[name]], ".0f"))
+        cells.append(mean_sd([sum(r.get("time", 0) for r in rows) / 60 for _, rows in runs[name]], ".1f"))
+        out.append("| " + " | ".join(cells) + " |")
+    if png:
+        plot_em_vs_tokens(runs, budget, png)
+    return "\n".join(out)
+
+
+def plot_em_vs_tokens(runs: dict, budget: float, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    grid = np.linspace(0, budget, 200)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, seeds in sorted(runs.items()):
+        em = np.array([[em_at(em_vs_tokens(rows), x) for x in grid] for _, rows in seeds])  # (seeds, grid)
+        ax.plot(grid, em.mean(0), label=f"{name} ({len(seeds)} seeds)")
+        ax.fill_between(grid, em.mean(0) - em.std(0), em.mean(0) + em.std(0), alpha=0.15)
+    ax.set(xlabel="generated tokens (factual + auxiliary)", ylabel="greedy EM (test)",
+           title="every method at equal generated tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def finish_run(out_dir: str) -> str:
     """What the end of every training run shows: learning_curve.png written, the summary table returned."""
     plot_curve(out_dir)
@@ -203,7 +287,8 @@ def finish_run(out_dir: str) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     commands = {"run": lambda a: print(finish_run(a[0])), "compare": lambda a: print(compare_runs(a)),
-                "paper": paper_main}
+                "methods": lambda a: print(compare_methods(a, png=os.path.join(os.path.dirname(
+                    os.path.abspath(a[0])), "compare_methods.png"))), "paper": paper_main}
     if not argv or argv[0] not in commands or (argv[0] != "paper" and len(argv) < 2) or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)

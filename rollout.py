@@ -518,6 +518,22 @@ def start_episodes(tokenizer, questions, run_seed: int, step: int, group_size: i
     return episodes
 
 
+def step_prompts(rows: list, prompts_per_step: int, seed: int, step: int, rank: int = 0, world: int = 1) -> list:
+    """This rank's share of the step's prompts: epoch-wise permutations seeded by mix(seed, epoch), so any step's
+    batch is known without replaying the run (exact resume). A row drawn twice in one step (epoch wrap on small data)
+    carries its occurrence number, so its two groups get different keys."""
+    n, k0 = len(rows), step * prompts_per_step
+    perms, batch, seen = {}, [], {}
+    for k in range(k0, k0 + prompts_per_step):
+        epoch, i = divmod(k, n)
+        if epoch not in perms:
+            perms[epoch] = np.random.default_rng(mix(seed, epoch)).permutation(n)
+        row = rows[perms[epoch][i]]
+        seen[id(row)] = seen.get(id(row), -1) + 1
+        batch.append(dict(row, occurrence=seen[id(row)]) if seen[id(row)] else row)
+    return batch[rank::world]
+
+
 def _special_ids(model, tokenizer):
     """(eos ids, pad id): EOS from the tokenizer and the model's generation config (Qwen2.5 chat: <|im_end|>)."""
     eos = set()

@@ -82,7 +82,8 @@ class Config:
     scale_decay: float = 0.9        # EMA decay of sigma_hat (RMS of the nonzero A_hat)
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
     # --- optim (DESIGN 6) ---
-    steps: int = 200                # optimisation steps (one batch of prompts each)
+    steps: int = 200                # optimisation steps (one batch of prompts each); the most, with token_budget
+    token_budget: int = 0           # stop once factual + aux generated tokens reach this (0: off); equal-cost runs
     lr: float = 1e-6                # AdamW learning rate (Search-R1: 1e-6)
     warmup_steps: int = 0           # linear warm-up steps, then constant
     weight_decay: float = 0.01      # AdamW weight decay
@@ -118,7 +119,7 @@ class Config:
         """(field, ok, rule): every value that would otherwise fail, or silently mislead, deep inside a step."""
         at_least = {"prompts_per_step": 1, "group_size": 2, "max_turns": 0, "topk": 1, "max_new_tokens": 1,
                     "max_obs_tokens": 0, "max_context": 2, "top_k": 0, "gen_batch_size": 1, "twin_budget": 0,
-                    "twins_per_decision": 1, "steps": 0, "lr": 0, "warmup_steps": 0, "kl_coef": 0, "ppo_epochs": 1,
+                    "twins_per_decision": 1, "steps": 0, "lr": 0, "warmup_steps": 0, "token_budget": 0, "kl_coef": 0, "ppo_epochs": 1,
                     "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0, "eval_size": 0, "save_every": 0}
         above = {"temperature": 0, "adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
@@ -149,22 +150,7 @@ class Run:
     rows: list                      # training questions
     n_micro: int                    # micro-batches per mini-batch (gradient accumulation)
     weight_norm0: float = 0.0       # the initial weight norm (divergence check)
-
-
-def prompts_for_step(rows: list, cfg: Config, step: int, rank: int, world: int) -> list:
-    """This rank's share of the step's prompts: epoch-wise permutations seeded by mix(seed, epoch), so any step's
-    batch is known without replaying the run (exact resume). A row drawn twice in one step (epoch wrap on small data)
-    carries its occurrence number, so its two groups get different keys."""
-    n, k0 = len(rows), step * cfg.prompts_per_step
-    perms, batch, seen = {}, [], {}
-    for k in range(k0, k0 + cfg.prompts_per_step):
-        epoch, i = divmod(k, n)
-        if epoch not in perms:
-            perms[epoch] = np.random.default_rng(rollout.mix(cfg.seed, epoch)).permutation(n)
-        row = rows[perms[epoch][i]]
-        seen[id(row)] = seen.get(id(row), -1) + 1
-        batch.append(dict(row, occurrence=seen[id(row)]) if seen[id(row)] else row)
-    return batch[rank::world]
+    tokens: int = 0                 # generated tokens so far, factual + aux (token_budget; saved in checkpoints)
 
 
 def gather_list(accel, items: list) -> list:
@@ -263,7 +249,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     proto, G = rollout.protocol_from(cfg), cfg.group_size
     with torch.no_grad(), accel.autocast():
         # 1. Factual episodes: G lines per prompt, every token a keyed Gumbel-max draw.
-        prompts = prompts_for_step(run.rows, cfg, step, accel.process_index, accel.num_processes)
+        prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, step, accel.process_index,
+                                       accel.num_processes)
         episodes = run.method.rollout(run, step, prompts, proto)
         rewards = np.array([ep.reward for ep in episodes])
         factual_tokens = sum(ep.n_generated for ep in episodes)
@@ -414,21 +401,26 @@ def main(cfg: Config):
     start = checkpoint.load(cfg, run) if cfg.resume else 0
     trackers = checkpoint.start_log(cfg, start) if accel.is_main_process else []
     eval_subset = eval_rows[:cfg.eval_size] if cfg.eval_size else eval_rows
+    done = start
     for step in range(start, cfg.steps):
+        if cfg.token_budget and run.tokens >= cfg.token_budget:
+            break
         metrics = {}
         if eval_rows and cfg.eval_every and step % cfg.eval_every == 0:
             metrics.update(run_eval(cfg, run, eval_subset))
         metrics.update(train_step(cfg, run, step))
+        run.tokens += metrics["factual_tokens"] + metrics["aux_tokens"]
+        metrics["tokens"], done = run.tokens, step + 1  # eval_em of this row was measured before this step's tokens
         if accel.num_processes > 1:
             metrics["weights_spread"] = weights_spread(accel, run.policy)
         if accel.is_main_process:
             checkpoint.log_metrics(cfg, metrics, trackers)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            checkpoint.save(cfg, run, step + 1)
-    final = {"step": cfg.steps}
+        if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+            checkpoint.save(cfg, run, done)
+    final = {"step": done, "tokens": run.tokens}
     if eval_rows:
         final.update(run_eval(cfg, run, eval_rows))
-    path = checkpoint.save(cfg, run, cfg.steps)
+    path = checkpoint.save(cfg, run, done)
     if accel.is_main_process:
         checkpoint.end_log(cfg, final, trackers)
         print(f"final | eval_em {final.get('eval_em', float('nan')):.3f} | checkpoint {path}", flush=True)

@@ -51,11 +51,11 @@ def test_config_presets_overrides_and_errors(tmp_path):
 def test_prompts_for_step_is_a_pure_function_of_step():
     rows = [{"id": str(i)} for i in range(10)]
     cfg = tt.Config(prompts_per_step=4, seed=3)
-    seen = [r["id"] for s in range(5) for r in tt.prompts_for_step(rows, cfg, s, 0, 1)]
+    seen = [r["id"] for s in range(5) for r in rollout.step_prompts(rows, cfg.prompts_per_step, cfg.seed, s, 0, 1)]
     assert sorted(seen[:8] + seen[8:10]) == sorted(str(i) for i in range(10))  # epoch 0 covers every row once
-    assert tt.prompts_for_step(rows, cfg, 3, 0, 1) == tt.prompts_for_step(rows, cfg, 3, 0, 1)
-    shards = [tt.prompts_for_step(rows, cfg, 2, r, 2) for r in range(2)]
-    whole = tt.prompts_for_step(rows, cfg, 2, 0, 1)
+    assert rollout.step_prompts(rows, 4, 3, 3) == rollout.step_prompts(rows, 4, 3, 3)
+    shards = [rollout.step_prompts(rows, 4, 3, 2, r, 2) for r in range(2)]
+    whole = rollout.step_prompts(rows, 4, 3, 2, 0, 1)
     assert sorted(x["id"] for s in shards for x in s) == sorted(x["id"] for x in whole)
 
 
@@ -170,7 +170,7 @@ def test_out_of_range_values_name_the_field(override, field):
 
 def test_a_duplicate_row_in_one_step_is_marked():
     rows = [{"id": str(i)} for i in range(3)]
-    batch = tt.prompts_for_step(rows, tt.Config(prompts_per_step=5), 0, 0, 1)  # 5 draws from 3 rows: wraps
+    batch = rollout.step_prompts(rows, 5, 0, 0)  # 5 draws from 3 rows: wraps
     counts = collections.Counter(r["id"] for r in batch)
     assert sorted(r.get("occurrence", 0) for r in batch) == [0, 0, 0, 1, 1]
     assert all(len({r.get("occurrence", 0) for r in batch if r["id"] == k}) == n for k, n in counts.items())
@@ -243,3 +243,38 @@ def test_wandb_offline_logs_every_scalar(tiny_world, tmp_path, monkeypatch):
     for (_, data), row in zip(logged, rows):
         assert data == {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
     assert glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))  # the run's local record
+
+
+def test_token_budget_stops_the_run_and_counts_every_generated_token(tiny_world, tmp_path):
+    out = str(tmp_path / "budget")
+    final = tt.main(tiny_cfg(tiny_world, out, "--steps=5", "--eval_every=0", "--token_budget=1"))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1] and final["step"] == 1  # the first step already spends the budget
+    assert rows[0]["tokens"] == rows[0]["factual_tokens"] + rows[0]["aux_tokens"] == final["tokens"]
+    assert rows[0]["aux_tokens"] == rows[0]["twin_tokens"] > 0
+    assert json.load(open(os.path.join(out, "step_000001", "run.json")))["tokens"] == final["tokens"]
+
+
+def test_compare_methods_at_equal_tokens(tmp_path):
+    """Hand-computed: EM at token marks is the last evaluation at or before the mark; AUC is the mean of that step
+    function over [0, budget]; 'tokens to GRPO's final EM' is where a method's curve first reaches it."""
+    def run(name, method, ems):  # ems: EM at tokens 0, 100, 200 (final)
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"method": method, "token_budget": 200}))
+        rows = [{"step": 0, "eval_em": ems[0], "tokens": 100, "factual_tokens": 100, "time": 30},
+                {"step": 1, "eval_em": ems[1], "tokens": 200, "factual_tokens": 100, "time": 30},
+                {"step": 2, "eval_em": ems[2], "tokens": 200, "final": True}]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        return str(d)
+    dirs = [run("g0", "grpo", (0.2, 0.4, 0.6)), run("g1", "grpo", (0.2, 0.2, 0.4)),
+            run("t0", "twice", (0.2, 0.6, 0.8)), run("t1", "twice", (0.2, 0.4, 0.6))]
+    table = report.compare_methods(dirs, checkpoints=2, png=str(tmp_path / "m.png")).splitlines()
+    assert table[0] == "| method | seeds | EM@100 | EM@200 | AUC | tokens to GRPO's final | steps | wall min |"
+    grpo, twice = table[2].split(" | "), table[3].split(" | ")
+    assert grpo[:4] == ["| grpo", "2", "0.300 +- 0.100", "0.500 +- 0.100"]  # EM at 100 and at 200 tokens
+    assert grpo[4] == "0.250 +- 0.050"  # AUC: (0.2 * 100 + 0.4 * 100) / 200 and (0.2 * 100 + 0.2 * 100) / 200
+    assert twice[2:5] == ["0.500 +- 0.100", "0.700 +- 0.100", "0.350 +- 0.050"]
+    assert twice[5] == "150 (2/2 reach)"  # GRPO's final EM is 0.5: t0 reaches it at 100 tokens (0.6), t1 at 200
+    assert grpo[5] == "200 (1/2 reach)" and twice[6:] == ["2 +- 0", "1.0 +- 0.0 |"]  # steps, minutes
+    assert (tmp_path / "m.png").stat().st_size > 1000
