@@ -17,12 +17,18 @@ _COMMENT = re.compile(r"^\s+(\w+)\s*:[^=]+=.*?#\s?(.*)$")
 
 
 def field_docs(cls) -> dict:
-    """{field: the comment after its definition in the class source} (banners and blank lines ignored)."""
+    """{field: the comment after its definition in the class source}, base classes included (a script's Config
+    may inherit the knobs of another module's dataclass, e.g. the baselines' of methods.py)."""
     docs = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = _COMMENT.match(line)
-        if m:
-            docs[m.group(1)] = m.group(2).strip()
+    for klass in reversed(cls.__mro__):
+        try:
+            source = inspect.getsource(klass) if dataclasses.is_dataclass(klass) else ""
+        except OSError:  # defined where no source is kept (an interactive session): no comments to show
+            source = ""
+        for line in source.splitlines():
+            m = _COMMENT.match(line)
+            if m:
+                docs[m.group(1)] = m.group(2).strip()
     return docs
 
 
