@@ -36,7 +36,7 @@ def usage(cls, prog: str, positional: str = "[PRESET.cfg ...]") -> str:
     """Every field with its type, default and comment, grouped as in the source."""
     docs = field_docs(cls)
     lines = [f"usage: python {prog} {positional} [--key=value ...]", ""]
-    if cls.__doc__:
+    if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):  # not dataclass's generated signature
         lines += [cls.__doc__.strip(), ""]
     for f in dataclasses.fields(cls):
         kind = f.type if isinstance(f.type, str) else f.type.__name__

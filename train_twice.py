@@ -47,6 +47,7 @@ import rollout
 
 @dataclass
 class Config:
+    """Every knob of a run (DESIGN.md sections 3-6), with the paper's defaults."""
     # --- io ---
     world: str = "data/tinyworld"   # built-in world folder (tinyworld.py); fills model/train_data/eval_data/index
     model: str = ""                 # initial policy and reference: HF hub id or folder ("" -> {world}/policy)
