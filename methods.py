@@ -226,7 +226,8 @@ class SPARL(_Learned):
     """SPA-RL (Wang et al. 2025, "Stepwise Progress Attribution"): a progress estimator c_hat(s_t, a_t) (a head on a
     copy of the policy, read at turn t's last token) is trained so that an episode's contributions sum to its
     outcome, L_PE = mean_i (sum_t c_hat_t - R_i)^2 (Eq. 3; credit.spa_rl_loss); the fused step reward
-    r_t = alpha c_t + beta g_t (Eq. 5; g_t = 1 when turn t's action was a valid search or answer) replaces the
+    r_t = alpha c_t + beta g_t (Eq. 5; g_t = 1 when turn t's action was a valid search or answer; alpha = 1, as
+    only beta / alpha matters after the normalisation below) replaces the
     sparse outcome, and its discounted returns-to-go drive the update. The estimator is trained first, then scores
     the batch (the paper's order: estimator, then RL).
     # DEVIATION L5: the estimator trains online on each step's batch (paper: on exploration rollouts, beforehand).
@@ -246,7 +247,7 @@ class SPARL(_Learned):
         s = est.scores(ids, att, cfg.micro_batch_size).cpu().numpy()
         contrib = [s[b, pos[b]] for b in range(len(episodes))]
         ground = [[float(t.action in ("search", "answer")) for t in ep.turns] for ep in episodes]
-        returns = [credit.discounted_returns(credit.spa_rl_rewards(c, g, cfg.spa_alpha, cfg.spa_beta), cfg.gamma)
+        returns = [credit.discounted_returns(credit.spa_rl_rewards(c, g, 1.0, cfg.spa_beta), cfg.gamma)
                    for c, g in zip(contrib, ground)]
         adv = credit.group_turn_normalise(returns, _group_ids(cfg, episodes), cfg.adv_eps)
         return adv, {**self.cost(t0, run.accel), "estimator_loss": loss,
