@@ -554,6 +554,6 @@ def group_turn_normalise(values_per_episode, group_ids, eps=1e-6) -> list:
 def craft_token_weights(token_gaps) -> np.ndarray:
     """How CRAFT's per-turn credit C_{i,t} is spread over the turn's tokens: w_k = |g_k| / mean_k' |g_k'| (tokens
     where teacher and student agree carry no counterfactual signal); mean 1 over the turn, so the turn's total credit
-    is unchanged; all ones when every gap is 0. # DEVIATION L5: our reading of "signed per-token credit"."""
+    is unchanged; all ones when every gap is 0. # DEVIATION L9: our reading of "signed per-token credit"."""
     a = np.abs(_np(token_gaps).reshape(-1))
     return a / a.mean() if a.size and a.mean() > 0 else np.ones(a.shape)

@@ -4,7 +4,9 @@ of IGPO and CRAFT: small torch models and their training steps. Used by methods.
 `Estimator`: a copy of the policy's transformer body with a scalar head, as Search-R1's PPO critic is a copy of the
 policy model with a value head (verl critic: AutoModelForTokenClassification, num_labels = 1). It scores every
 position of a batch (B, L) and trains with its own AdamW on a loss the method defines, on the step's batch.
-# DEVIATION L1: the head starts at zero (verl: random), so the first step's values are 0 (PRM: Q = 0.5).
+# DEVIATION L1: the head starts at zero (verl: random), so the first step's values are 0 (PRM: Q = 0.5); all three
+estimators learn at estimator_lr_scale x lr (Search-R1's critic/actor ratio, 1e-5 / 1e-6; the papers' PE and PRM
+are trained offline).
 Gradients are averaged over ranks before each optimizer step, so every rank holds the same estimator.
 
 `token_logprobs_rows`: log p(row[k+1] | row[:k+1]) of plain token rows, teacher-forced, micro-batched: the answer

@@ -12,6 +12,9 @@ steps 3-5; every other method is a `Method` here, and plugs into the same step a
                                                                     beyond the factual episodes
   state: method.state_dict() / load_state_dict() go into every checkpoint's run.json (learned estimators, counters),
   so --resume continues exactly.
+  optional: adv, stats = method.token_advantages(run, step, episodes, batch, adv)  (B, L) token advantages in place
+  of the spread per-turn ones (ppo's GAE, craft); method.save(dir) / load(dir, run): tensors beside run.json (learned
+  estimators' weights and optimizer state).
 
 Every extra rollout goes through rollout.py (branch, continue_from, run_twins) with keys derived like twin keys
 (rollout.fresh_key(episode key, TAG, ...)), so every method is exactly reproducible and resumable.
