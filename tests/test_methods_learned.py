@@ -12,7 +12,7 @@ import credit
 import methods
 import rollout
 import train_twice as tt
-from test_train import TINY, read_metrics, tiny_cfg
+from test_train import read_metrics, tiny_cfg
 
 LEARNED = ("ppo", "igpo", "spa_rl", "agentprm", "craft")
 
