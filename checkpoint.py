@@ -45,6 +45,8 @@ def save(cfg, run, step: int) -> str:
                  "sigma_hat": run.sigma_hat.state_dict(), **_provenance()}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(state, f)
+        if hasattr(run.method, "save"):  # learned estimators: weights and optimizer state (methods.py)
+            run.method.save(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -73,6 +75,8 @@ def load(cfg, run) -> int:
     run.sigma_hat.load_state_dict(state["sigma_hat"])
     run.method.load_state_dict(state["method"])
     run.tokens = int(state["tokens"])
+    if hasattr(run.method, "load"):
+        run.method.load(cfg.resume, run)
     return int(state["step"])
 
 

@@ -507,3 +507,53 @@ def craft_token_importance(gaps, advantages, beta=1.0) -> np.ndarray:
             w = np.exp(logw - logw.max())
             out[i, t] = w @ A[m] / w.sum() - A[m].mean()
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Learned-estimator and token-level methods (methods.py: ppo, igpo, spa_rl, agentprm, craft)
+
+def gae(rewards, values, mask, gamma=1.0, lam=1.0) -> tuple:
+    """GAE (Schulman et al. 2016, Eq. 16): A_k = sum_l (gamma lam)^l delta_{k+l}, delta_k = r_k + gamma V_{k+1} - V_k,
+    returns = A + V. Rows (B, L); positions with mask 0 (observation tokens) are skipped, not stepped through: the
+    next sampled token's value bootstraps the last one before an observation, and the value after the last sampled
+    token is 0. gamma = lam = 1 gives A_k = R - V_k (the sum telescopes). Returns (advantages, returns), 0 off-mask."""
+    r, v, m = _np(rewards), _np(values), _np(mask) > 0
+    adv, ret = np.zeros(r.shape), np.zeros(r.shape)
+    for b in range(len(r)):
+        idx = np.flatnonzero(m[b])
+        acc, next_v = 0.0, 0.0
+        for k in idx[::-1]:
+            acc = r[b, k] + gamma * next_v - v[b, k] + gamma * lam * acc
+            adv[b, k], ret[b, k], next_v = acc, acc + v[b, k], v[b, k]
+    return adv, ret
+
+
+def masked_whiten(x, mask, eps=1e-8) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) over the masked entries, 0 elsewhere (verl's masked_whiten of PPO advantages;
+    variance unbiased as there)."""
+    x, m = _np(x), _np(mask) > 0
+    vals = x[m]
+    if vals.size < 2:
+        return np.zeros(x.shape)
+    out = np.zeros(x.shape)
+    out[m] = (vals - vals.mean()) / math.sqrt(vals.var(ddof=1) + eps)
+    return out
+
+
+def group_turn_normalise(values_per_episode, group_ids, eps=1e-6) -> list:
+    """z-score of per-turn values over all turns of each group's episodes (IGPO's group-wise normalisation of turn
+    rewards, used for SPA-RL returns and AgentPRM Q values). Per-episode arrays in, per-episode arrays out."""
+    vals = [_np(v).reshape(-1) for v in values_per_episode]
+    n = np.array([len(v) for v in vals], dtype=np.int64)
+    if n.sum() == 0:
+        return [np.zeros(0) for _ in vals]
+    flat = grpo_advantages(np.concatenate(vals), np.repeat(_group_index(group_ids), n), eps)
+    return np.split(flat, np.cumsum(n)[:-1])
+
+
+def craft_token_weights(token_gaps) -> np.ndarray:
+    """How CRAFT's per-turn credit C_{i,t} is spread over the turn's tokens: w_k = |g_k| / mean_k' |g_k'| (tokens
+    where teacher and student agree carry no counterfactual signal); mean 1 over the turn, so the turn's total credit
+    is unchanged; all ones when every gap is 0. # DEVIATION L9: our reading of "signed per-token credit"."""
+    a = np.abs(_np(token_gaps).reshape(-1))
+    return a / a.mean() if a.size and a.mean() > 0 else np.ones(a.shape)

@@ -12,14 +12,21 @@ steps 3-5; every other method is a `Method` here, and plugs into the same step a
                                                                     beyond the factual episodes
   state: method.state_dict() / load_state_dict() go into every checkpoint's run.json (learned estimators, counters),
   so --resume continues exactly.
+  optional: adv, stats = method.token_advantages(run, step, episodes, batch, adv)  (B, L) token advantages in place
+  of the spread per-turn ones (ppo's GAE, craft); method.save(dir) / load(dir, run): tensors beside run.json (learned
+  estimators' weights and optimizer state).
 
 Every extra rollout goes through rollout.py (branch, continue_from, run_twins) with keys derived like twin keys
 (rollout.fresh_key(episode key, TAG, ...)), so every method is exactly reproducible and resumable.
 """
+import os
+import time
+
 import numpy as np
 import torch
 
 import credit
+import estimators
 import rollout
 
 TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant", "twin_tokens")
@@ -80,3 +87,265 @@ NAMES = tuple(METHODS)
 
 def make(cfg) -> Method:
     return METHODS[cfg.method](cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Learned estimators and token-level credit (issue 13): ppo, igpo, spa_rl, agentprm, craft. README-methods-learned.md
+# lists each method's config keys, cost per step and deviations (L1, L2, ...). Learned estimators train on the
+# step's own batch inside turn_advantages / token_advantages, i.e. before the policy update of that step. Besides
+# aux_tokens (generated), each logs aux_fwd_tokens / aux_bwd_tokens (tokens through an extra forward / backward
+# pass: estimators, teacher-forced policy passes) and time_credit (seconds, mean over ranks).
+
+ESTIMATOR_TAG = 0x657374  # "est": mini-batch order of the estimator's passes, independent of the actor's
+
+
+def _response_positions(episodes) -> list:
+    """Per episode, the position (in collate's rows) of each turn's last sampled token: where the state-action
+    (s_t, a_t) has been read, so a scorer's output there is a function of (s_t, a_t)."""
+    return [[len(ep.prompt_ids) + t.end - 1 for t in ep.turns] for ep in episodes]
+
+
+def _group_ids(cfg, episodes) -> np.ndarray:
+    return np.arange(len(episodes)) // cfg.group_size
+
+
+class _Learned(Method):
+    """A Method with one Estimator (estimators.py), built from the policy at first use, saved in every checkpoint
+    as estimator.pt (weights and AdamW state: --resume restores it exactly)."""
+    estimator_file = "estimator.pt"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.est = None
+
+    def estimator(self, run) -> estimators.Estimator:
+        if self.est is None:
+            lr = self.cfg.lr * self.cfg.estimator_lr_scale
+            self.est = estimators.Estimator(run.accel.unwrap_model(run.policy), lr, self.cfg.weight_decay,
+                                            run.accel.device)
+        return self.est
+
+    def save(self, folder: str):
+        if self.est is not None:
+            torch.save(self.est.state_dict(), os.path.join(folder, self.estimator_file))
+
+    def load(self, folder: str, run):
+        path = os.path.join(folder, self.estimator_file)
+        if os.path.exists(path):
+            self.estimator(run).load_state_dict(torch.load(path, map_location=run.accel.device))
+
+    def train_estimator(self, run, step, ids, att, loss_sum, norm) -> float:
+        """ppo_epochs passes of mini_batches optimizer steps over the step's rows (the actor's schedule, as verl's
+        critic). loss_sum(scores, rows) sums the loss of the given batch rows; norm(rows) is its normaliser."""
+        cfg, losses = self.cfg, []
+        for epoch in range(cfg.ppo_epochs):
+            order = np.random.default_rng(rollout.mix(cfg.seed, step, epoch, ESTIMATOR_TAG)).permutation(len(ids))
+            for mb in np.array_split(order, cfg.mini_batches):
+                mb = torch.as_tensor(mb)
+                losses.append(self.est.fit(run.accel, ids[mb], att[mb], lambda s, rows, mb=mb: loss_sum(s, mb[rows]),
+                                           norm(mb), cfg.micro_batch_size))
+        return float(np.mean(losses))
+
+    def cost(self, t0: float, accel, aux_tokens=0) -> dict:
+        """This step's extra cost (counters reset): summed over ranks by reduce_stats, so time is divided here."""
+        fwd, bwd = self.est.fwd_tokens, self.est.bwd_tokens
+        self.est.fwd_tokens = self.est.bwd_tokens = 0
+        return {"aux_tokens": aux_tokens, "aux_fwd_tokens": fwd, "aux_bwd_tokens": bwd,
+                "time_credit": (time.time() - t0) / accel.num_processes}
+
+
+class PPO(_Learned):
+    """PPO with a learned critic (Schulman et al. 2017), as Search-R1 runs it (verl, algorithm.adv_estimator=gae):
+    a critic initialised from the policy scores V at every token; GAE (Schulman et al. 2016, Eq. 16) with
+    gamma = lambda = 1 over the sampled tokens (observation tokens masked and skipped), reward = the outcome on the
+    last sampled token; advantages whitened over the batch (verl masked_whiten); the critic regresses the GAE
+    returns, 0.5 (V - R)^2 token-mean (verl dp_critic), on the same batch, values taken before its update.
+    # DEVIATION L2: no value clipping (verl cliprange_value 0.5) and no KL-in-reward: the KL stays a loss term
+    (kl_coef, as for every method), so methods differ only in the advantage."""
+    name = "ppo"
+
+    def turn_advantages(self, run, step, episodes, proto) -> tuple:
+        return [np.zeros(len(ep.turns)) for ep in episodes], {}  # token_advantages replaces them
+
+    def token_advantages(self, run, step, episodes, batch, adv) -> tuple:
+        t0, cfg, est = time.time(), self.cfg, self.estimator(run)
+        ids, att = batch["input_ids"], batch["attention_mask"]
+        mask = batch["loss_mask"][:, 1:].cpu().numpy()  # (B, L-1): position k predicts token k + 1
+        values = est.scores(ids, att, cfg.micro_batch_size)[:, :-1].cpu().numpy()  # V(s) before token k + 1
+        rewards = np.zeros(mask.shape)
+        for b, ep in enumerate(episodes):
+            sampled = np.flatnonzero(mask[b])
+            if len(sampled):
+                rewards[b, sampled[-1]] = ep.reward
+        a, ret = credit.gae(rewards, values, mask, cfg.gamma, cfg.gae_lambda)
+        a = credit.masked_whiten(a, mask)  # DEVIATION L3: over this rank's tokens (verl: the whole batch)
+        ret_t = torch.tensor(ret, dtype=torch.float32, device=ids.device)
+        m = torch.tensor(mask, dtype=torch.float32, device=ids.device)
+        loss = self.train_estimator(run, step, ids, att,
+                                    lambda s, rows: (0.5 * (s[:, :-1] - ret_t[rows]) ** 2 * m[rows]).sum(),
+                                    lambda rows: float(m[rows].sum().clamp(min=1)))
+        out = np.zeros(adv.shape)
+        out[:, 1:] = a  # back to token layout: token k + 1's advantage sits at k + 1 (train_step shifts it)
+        return out, {**self.cost(t0, run.accel), "critic_loss": loss,
+                     "value_mean": float((values * mask).sum() / max(mask.sum(), 1))}
+
+
+class IGPO(Method):
+    """IGPO (Wang et al. 2025, "Information Gain-based Policy Optimization"): turn t's reward is the information
+    gain r_t = log pi(a | q, o_<=t) - log pi(a | q, o_<t) (Eq. 5), log pi(a | .) the mean per-token log-prob of the
+    gold answer a, teacher-forced by the current policy (Eq. 4); the last turn's reward is the outcome; both are
+    z-normalised per group separately and summed with discount gamma (Eqs. 6-7; credit.igpo_advantages).
+    # DEVIATION L4: the answer is teacher-forced after the response's own "<answer>" tag, and only the first gold
+    answer is scored (the paper does not say how several gold answers combine)."""
+    name = "igpo"
+
+    def answer_ids(self, tok, gold: str) -> tuple:
+        pre, full = tok("<answer>", add_special_tokens=False)["input_ids"], \
+            tok(f"<answer> {gold}", add_special_tokens=False)["input_ids"]
+        if full[:len(pre)] != pre or len(full) == len(pre):
+            return pre, tok(f" {gold}", add_special_tokens=False)["input_ids"]
+        return pre, full[len(pre):]
+
+    def turn_advantages(self, run, step, episodes, proto) -> tuple:
+        t0, cfg = time.time(), self.cfg
+        rows, n_ans = [], []
+        for ep in episodes:
+            pre, ans = self.answer_ids(run.tok, str(ep.golden_answers[0]))
+            for t in range(len(ep.turns)):  # o_<=t-1: every turn before t with its observation; t = 0: q alone
+                rows.append(ep.prompt_ids + ep.ids[:ep.turns[t - 1].obs_end if t else 0] + pre + ans)
+                n_ans.append(len(ans))
+        lps = estimators.token_logprobs_rows(run.accel.unwrap_model(run.policy), rows, run.tok.pad_token_id,
+                                             cfg.micro_batch_size) if rows else []
+        flat = np.array([lp[-n:].mean() for lp, n in zip(lps, n_ans)])
+        per_ep = np.split(flat, np.cumsum([len(ep.turns) for ep in episodes])[:-1])
+        adv = credit.igpo_advantages(per_ep, [ep.reward for ep in episodes], _group_ids(cfg, episodes), cfg.gamma,
+                                     cfg.adv_eps)
+        return adv, {"aux_tokens": 0, "aux_fwd_tokens": sum(map(len, rows)), "aux_bwd_tokens": 0,
+                     "time_credit": (time.time() - t0) / run.accel.num_processes,
+                     "info_gain": float(np.mean([np.diff(lp).mean() for lp in per_ep if len(lp) > 1] or [0.0]))}
+
+
+class SPARL(_Learned):
+    """SPA-RL (Wang et al. 2025, "Stepwise Progress Attribution"): a progress estimator c_hat(s_t, a_t) (a head on a
+    copy of the policy, read at turn t's last token) is trained so that an episode's contributions sum to its
+    outcome, L_PE = mean_i (sum_t c_hat_t - R_i)^2 (Eq. 3; credit.spa_rl_loss); the fused step reward
+    r_t = alpha c_t + beta g_t (Eq. 5; g_t = 1 when turn t's action was a valid search or answer; alpha = 1, as
+    only beta / alpha matters after the normalisation below) replaces the
+    sparse outcome, and its discounted returns-to-go drive the update. The estimator is trained first, then scores
+    the batch (the paper's order: estimator, then RL).
+    # DEVIATION L5: the estimator trains online on each step's batch (paper: on exploration rollouts, beforehand).
+    # DEVIATION L6: returns-to-go are z-normalised over the group's turns (GRPO's baseline) instead of PPO's critic.
+    """
+    name = "spa_rl"
+
+    def turn_advantages(self, run, step, episodes, proto) -> tuple:
+        t0, cfg, est = time.time(), self.cfg, self.estimator(run)
+        batch = rollout.collate(episodes, run.tok.pad_token_id)
+        ids, att = batch["input_ids"].to(run.accel.device), batch["attention_mask"].to(run.accel.device)
+        pos, R = _response_positions(episodes), torch.tensor([ep.reward for ep in episodes])
+        loss = self.train_estimator(
+            run, step, ids, att, lambda s, rows: credit.spa_rl_loss(
+                [s[j, pos[int(i)]] for j, i in enumerate(rows)], R[rows].to(s.device)) * len(rows),
+            lambda rows: float(len(rows)))
+        s = est.scores(ids, att, cfg.micro_batch_size).cpu().numpy()
+        contrib = [s[b, pos[b]] for b in range(len(episodes))]
+        ground = [[float(t.action in ("search", "answer")) for t in ep.turns] for ep in episodes]
+        returns = [credit.discounted_returns(credit.spa_rl_rewards(c, g, 1.0, cfg.spa_beta), cfg.gamma)
+                   for c, g in zip(contrib, ground)]
+        adv = credit.group_turn_normalise(returns, _group_ids(cfg, episodes), cfg.adv_eps)
+        return adv, {**self.cost(t0, run.accel), "estimator_loss": loss,
+                     "progress_sum": float(np.mean([c.sum() for c in contrib]))}
+
+
+class AgentPRM(_Learned):
+    """AgentPRM (Choudhury 2025, "Process Reward Models for LLM Agents"): a PRM Q_phi(s_t, a_t) = sigmoid(head) on a
+    copy of the policy, read at turn t's last token, trained by soft binary cross-entropy (Eq. 4; credit.soft_bce)
+    on Monte Carlo targets Q_hat(s, a) = the mean return over every visit of the same (s, a) (Eq. 3;
+    credit.agentprm_targets): the factual episodes plus prm_rollouts continuations after each non-final turn
+    (rollout.continue_from, keys fresh_key(ep.key, MC_Q_TAG, t, k); their tokens are aux_tokens). The policy then
+    maximises Q_phi (Eq. 5): turn t's advantage is Q_phi(s_t, a_t) z-normalised over the group's turns.
+    # DEVIATION L7: PRM and policy train online, step by step, on the same stream (paper: alternating stages), and
+    the KL anchor is the frozen reference (paper: the previous policy)."""
+    name = "agentprm"
+
+    def mc_targets(self, run, episodes, proto) -> tuple:
+        """Q_hat per factual decision (episode-major) and the continuations' generated tokens."""
+        cfg, keys, returns = self.cfg, [], []
+        for ep in episodes:
+            for t, turn in enumerate(ep.turns):
+                keys.append(np.asarray(ep.prompt_ids + ep.ids[:turn.end], dtype=np.int64).tobytes())
+                returns.append(cfg.gamma ** (len(ep.turns) - 1 - t) * ep.reward)
+        requests = [(ep, t, True, rollout.fresh_key(ep.key, rollout.MC_Q_TAG, t, k)) for ep in episodes
+                    for t in range(len(ep.turns) - 1) for k in range(cfg.prm_rollouts)]
+        branches = rollout.continue_from(run.accel.unwrap_model(run.policy), run.tok, run.retriever, requests,
+                                         proto) if requests else []
+        for (ep, t, _, _), br in zip(requests, branches):
+            keys.append(np.asarray(ep.prompt_ids + ep.ids[:ep.turns[t].end], dtype=np.int64).tobytes())
+            returns.append(cfg.gamma ** (len(br.turns) - 1 - t) * br.reward)
+        n = sum(len(ep.turns) for ep in episodes)
+        return credit.agentprm_targets(keys, returns)[:n], sum(br.n_generated for br in branches)
+
+    def turn_advantages(self, run, step, episodes, proto) -> tuple:
+        t0, cfg, est = time.time(), self.cfg, self.estimator(run)
+        targets, aux = self.mc_targets(run, episodes, proto)
+        batch = rollout.collate(episodes, run.tok.pad_token_id)
+        ids, att = batch["input_ids"].to(run.accel.device), batch["attention_mask"].to(run.accel.device)
+        pos = _response_positions(episodes)
+        q_hat = np.split(targets, np.cumsum([len(p) for p in pos])[:-1])
+        q_hat = [torch.tensor(q, dtype=torch.float32, device=ids.device) for q in q_hat]
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+        loss = self.train_estimator(
+            run, step, ids, att, lambda s, rows: sum(bce(s[j, pos[int(i)]], q_hat[int(i)], reduction="sum")
+                                                     for j, i in enumerate(rows)),
+            lambda rows: float(max(sum(len(pos[int(i)]) for i in rows), 1)))
+        s = est.scores(ids, att, cfg.micro_batch_size).cpu().numpy()
+        q = [1.0 / (1.0 + np.exp(-s[b, pos[b]])) for b in range(len(episodes))]
+        adv = credit.group_turn_normalise(q, _group_ids(cfg, episodes), cfg.adv_eps)
+        return adv, {**self.cost(t0, run.accel, aux), "estimator_loss": loss, "q_mean": float(np.mean(targets))}
+
+
+class CRAFT(Method):
+    """CRAFT pillar 1 (seed 004, "Counterfactual Credit Assignment from Free Sibling Rollouts") on top of GRPO:
+    A_{i,k} = A_traj_i + C_{i,t} w_{i,k} on the sampled tokens k of turn t. C_{i,t} (credit.craft_token_importance)
+    is the self-normalised importance estimate, over the G - 1 siblings, of the change in group advantage if turn t
+    were tilted toward the teacher, with weights exp(craft_beta g_{j,t}), g = sum of (log pi_teacher - log pi) over
+    the turn's tokens; w_{i,k} = |g_{i,k}| / mean |g_{i,.}| puts it on the tokens where teacher and student differ
+    (credit.craft_token_weights). Pillars 2-3 (distillation controller, polarised KL) act on a self-distillation
+    loss this trainer does not have, so they are not implemented.
+    # DEVIATION L8: the teacher is the same policy with the gold answer appended to the question (the seed's
+    "privileged context" for search QA); student log-probs are the rollout's sampling log-probs (turn.logprobs)."""
+    name = "craft"
+
+    def token_advantages(self, run, step, episodes, batch, adv) -> tuple:
+        t0, cfg, tok = time.time(), self.cfg, run.tok
+        chat = bool(getattr(tok, "chat_template", None))
+        rows, offsets = [], []
+        for ep in episodes:
+            hint = f"{ep.question}\nReference answer: {ep.golden_answers[0]}"
+            prompt = tok(rollout.render_prompt(tok, hint), add_special_tokens=not chat)["input_ids"]
+            rows.append(prompt + ep.ids)
+            offsets.append(len(prompt))
+        teacher = estimators.token_logprobs_rows(run.accel.unwrap_model(run.policy), rows, tok.pad_token_id,
+                                                 cfg.micro_batch_size, cfg.temperature)
+        # token k of the response is predicted at position offset + k - 1
+        gaps = [[teacher[b][offsets[b] + t.start - 1:offsets[b] + t.end - 1] - np.asarray(t.logprobs)
+                 for t in ep.turns] for b, ep in enumerate(episodes)]
+        a_traj, G, out = self.trajectory_advantages(episodes), cfg.group_size, np.array(adv, dtype=np.float64)
+        for g0 in range(0, len(episodes), G):
+            table = np.full((G, max(len(ep.turns) for ep in episodes[g0:g0 + G])), np.nan)
+            for j in range(G):
+                table[j, :len(gaps[g0 + j])] = [g.sum() for g in gaps[g0 + j]]
+            C = credit.craft_token_importance(table, a_traj[g0:g0 + G], cfg.craft_beta)
+            for j in range(G):
+                ep = episodes[g0 + j]
+                for t, turn in enumerate(ep.turns):
+                    span = slice(len(ep.prompt_ids) + turn.start, len(ep.prompt_ids) + turn.end)
+                    out[g0 + j, span] += C[j, t] * credit.craft_token_weights(gaps[g0 + j][t])
+        sampled = batch["loss_mask"].cpu().numpy() == 1
+        return out, {"aux_tokens": 0, "aux_fwd_tokens": sum(map(len, rows)), "aux_bwd_tokens": 0,
+                     "time_credit": (time.time() - t0) / run.accel.num_processes,
+                     "craft_credit_rms": float(np.sqrt(np.mean((out - adv)[sampled] ** 2))) if sampled.any() else 0.0}
+
+
+METHODS.update(ppo=PPO, igpo=IGPO, spa_rl=SPARL, agentprm=AgentPRM, craft=CRAFT)
+NAMES = tuple(METHODS)

@@ -82,6 +82,12 @@ class Config:
     same_evidence_shortcut: bool = True  # D = 0 without rollout when both searches retrieve the same doc ids
     scale_decay: float = 0.9        # EMA decay of sigma_hat (RMS of the nonzero A_hat)
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
+    gamma: float = 1.0              # discount: ppo's GAE, igpo/spa_rl returns, agentprm MC targets (papers: 1)
+    gae_lambda: float = 1.0         # lambda of ppo's GAE (Search-R1: 1)
+    estimator_lr_scale: float = 10.0  # lr of critic / progress estimator / PRM over lr (Search-R1: 1e-5 / 1e-6)
+    spa_beta: float = 0.1           # SPA-RL weight of the grounding reward g_t (progress weight alpha = 1)
+    prm_rollouts: int = 1           # AgentPRM Monte Carlo continuations per non-final decision
+    craft_beta: float = 1.0         # CRAFT inverse temperature of the sibling weights exp(beta g)
     # --- optim (DESIGN 6) ---
     steps: int = 200                # optimisation steps (one batch of prompts each); the most, with token_budget
     token_budget: int = 0           # stop once factual + aux generated tokens reach this (0: off); equal-cost runs
@@ -120,14 +126,17 @@ class Config:
         """(field, ok, rule): every value that would otherwise fail, or silently mislead, deep inside a step."""
         at_least = {"prompts_per_step": 1, "group_size": 2, "max_turns": 0, "topk": 1, "max_new_tokens": 1,
                     "max_obs_tokens": 0, "max_context": 2, "top_k": 0, "gen_batch_size": 1, "twin_budget": 0,
-                    "twins_per_decision": 1, "steps": 0, "lr": 0, "warmup_steps": 0, "token_budget": 0, "kl_coef": 0, "ppo_epochs": 1,
-                    "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0, "eval_size": 0, "save_every": 0}
+                    "twins_per_decision": 1, "steps": 0, "lr": 0, "warmup_steps": 0, "token_budget": 0, "kl_coef": 0,
+                    "ppo_epochs": 1,
+                    "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0, "eval_size": 0, "save_every": 0,
+                    "estimator_lr_scale": 0, "spa_beta": 0, "prm_rollouts": 0, "craft_beta": 0}
         above = {"temperature": 0, "adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                 [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
                 [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
                  ("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
                  ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("q_min", 0 < self.q_min <= 1, "in (0, 1]"),
+                 ("gamma", 0 < self.gamma <= 1, "in (0, 1]"), ("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
                  ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"), ("omega", math.isfinite(self.omega),
                                                                           "finite")])
 
@@ -230,9 +239,7 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
                     opt.zero_grad(set_to_none=True)
                 sums += torch.stack([loss.sum(), kl.sum(), clipped.sum(), mask[micro].sum()]).detach()
     loss, kl, clipped, tokens = accel.reduce(sums, "sum").tolist()
-    return {"loss": loss / max(tokens, 1),
-            "kl": kl / max(tokens, 1),
-            "clip_frac": clipped / max(tokens, 1),
+    return {"loss": loss / max(tokens, 1), "kl": kl / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0}
 
 
@@ -305,6 +312,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         # turn t's tokens sit at ep.turns[t].start..end of the response, which starts after the prompt
         spans = [[(len(ep.prompt_ids) + t.start, len(ep.prompt_ids) + t.end) for t in ep.turns] for ep in episodes]
         adv = credit.spread_over_tokens(turn_adv, spans, batch["input_ids"].shape[1])
+        if hasattr(run.method, "token_advantages"):  # token-level methods (ppo's GAE, craft): (B, L), their stats
+            adv, stats = run.method.token_advantages(run, step, episodes, batch, adv)
         # log-prob k predicts token k + 1 (token_logprobs), so token k's advantage moves to position k - 1
         adv = torch.tensor(adv[:, 1:], dtype=torch.float32, device=accel.device)
         old_lp, ent = batch_logprobs(policy, batch, cfg, with_entropy=True)
@@ -328,10 +337,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         metrics["aux_tokens"] = metrics["twin_tokens"]
     else:
         metrics.update(methods.reduce_stats(accel, stats))
-    metrics.update({"time_rollout": times["rollout"] - times["start"],
-                    "time_twins": times["twins"] - times["rollout"],
-                    "time_update": now - times["twins"],
-                    "time": now - times["start"]})
+    metrics.update({"time_rollout": times["rollout"] - times["start"], "time_twins": times["twins"] - times["rollout"],
+                    "time_update": now - times["twins"], "time": now - times["start"]})
     return metrics
 
 
@@ -342,9 +349,7 @@ def batch_totals(accel, episodes, batch, ent) -> dict:
                           float(mask.sum()), sum(len(ep.turns) for ep in episodes),
                           sum(ep.n_generated for ep in episodes)], dtype=torch.float64, device=accel.device)
     reward, n_episodes, entropy, n_tokens, turns, generated = accel.reduce(local, "sum").tolist()
-    return {"reward": reward / n_episodes,
-            "entropy": entropy / max(n_tokens, 1),
-            "turns": turns / n_episodes,
+    return {"reward": reward / n_episodes, "entropy": entropy / max(n_tokens, 1), "turns": turns / n_episodes,
             "factual_tokens": int(generated)}
 
 
