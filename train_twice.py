@@ -15,7 +15,7 @@ Paper: "Same Luck, Different Choice: Twin-World Credit Assignment for Agentic Re
   5. Horvitz-Thompson:                A_hat_t = 1[branched] * mean_j D_t^j / q_t
   6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega * A_hat_t / sigma_hat
   7. PPO-clip on token ratios (clip 0.2), token-mean over loss-masked tokens, k3 KL to the frozen reference.
-omega = 0 is GRPO (no twins are launched); coupling = False is the independent-counterfactual baseline.
+omega = 0 is GRPO (no twins); --method=NAME runs a baseline of methods.py (its rollout, its turn advantages).
 
 How this differs from textbook GRPO (as run by Search-R1/verl): turn-level twin credit is added to the broadcast
 trajectory advantage (steps 3-6); every token is sampled with keyed Gumbel noise, exact sampling from
@@ -71,7 +71,7 @@ class Config:
     gen_batch_size: int = 64        # rows per generate call
     fused_sampler: bool = False     # torch.compile the keyed sampler (GPU)
     # --- credit (DESIGN 5, 7) ---
-    method: str = "twice"           # credit method: twice, or a baseline of methods.py (grpo, ...)
+    method: str = "twice"           # credit method: twice, or a baseline of methods.py (grpo, vineppo, ...)
     omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (alias of method=grpo)
     twin_budget: float = 0.7        # expected twin tokens / factual tokens (sum_t q_t c_t)
     q_min: float = 0.05             # q_min, floor of the branch probability
@@ -81,6 +81,16 @@ class Config:
     same_evidence_shortcut: bool = True  # D = 0 without rollout when both searches retrieve the same doc ids
     scale_decay: float = 0.9        # EMA decay of sigma_hat (RMS of the nonzero A_hat)
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
+    vine_k: int = 9                 # vineppo: K Monte Carlo continuations per turn boundary (Kazemnejad et al.: 9)
+    step_gamma: float = 0.95        # gigpo, hgpo: gamma of the step return R_t = gamma^(T-1-t) U (GiGPO: 0.95)
+    hgpo_k: int = 2                 # hgpo: longest history context K of the step groups (levels k = 0..K)
+    hgpo_alpha: float = 1.0         # hgpo: level weight w_k ~ (k + 1)^alpha
+    arpo_initial: float = 0.5       # arpo: full samples N / rollout budget M = group_size (ARPO: 8 of 16)
+    arpo_beam: int = 2              # arpo: partial samples Z branched per triggered step (ARPO: 2)
+    arpo_beta: float = 0.2          # arpo: entropy weight beta of P_t = alpha + beta Normalize(H_t - H_initial)
+    arpo_tau: float = 0.5           # arpo: branch iff P_t > tau, alpha ~ U(0, 1) (ARPO's code: 0.5)
+    tree_m: int = 2                 # tree_grpo: trees M per prompt; expansions fill the group to group_size leaves
+    tree_l: int = 1                 # tree_grpo: expansion rounds L
     # --- optim (DESIGN 6) ---
     steps: int = 200                # optimisation steps (one batch of prompts each)
     lr: float = 1e-6                # AdamW learning rate (Search-R1: 1e-6)
@@ -116,18 +126,21 @@ class Config:
 
     def checks(self):
         """(field, ok, rule): every value that would otherwise fail, or silently mislead, deep inside a step."""
-        at_least = {"prompts_per_step": 1, "group_size": 2, "max_turns": 0, "topk": 1, "max_new_tokens": 1,
-                    "max_obs_tokens": 0, "max_context": 2, "top_k": 0, "gen_batch_size": 1, "twin_budget": 0,
-                    "twins_per_decision": 1, "steps": 0, "lr": 0, "warmup_steps": 0, "kl_coef": 0, "ppo_epochs": 1,
-                    "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0, "eval_size": 0, "save_every": 0}
+        at_least = {"prompts_per_step": 1, "group_size": 2, "max_turns": 0, "topk": 1, "max_new_tokens": 1, "top_k": 0,
+                    "max_obs_tokens": 0, "max_context": 2, "gen_batch_size": 1, "twin_budget": 0, "steps": 0, "lr": 0,
+                    "twins_per_decision": 1, "warmup_steps": 0, "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1,
+                    "micro_batch_size": 1, "eval_every": 0, "eval_size": 0, "save_every": 0, "vine_k": 1, "hgpo_k": 0,
+                    "arpo_beam": 1, "tree_m": 1, "tree_l": 1}
         above = {"temperature": 0, "adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
+        unit = ("top_p", "q_min", "step_gamma", "arpo_initial")  # fractions and probabilities in (0, 1]
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                 [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
+                [(k, 0 < getattr(self, k) <= 1, "in (0, 1]") for k in unit] +
                 [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
                  ("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
-                 ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("q_min", 0 < self.q_min <= 1, "in (0, 1]"),
-                 ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"), ("omega", math.isfinite(self.omega),
-                                                                          "finite")])
+                 ("tree_m", self.tree_m <= self.group_size, f"<= group_size ({self.group_size})"),
+                 ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"),
+                 ("omega", math.isfinite(self.omega), "finite")])
 
 
 def parse_config(argv) -> Config:  # preset files (positional), then --key=value overrides (config.py)
@@ -243,9 +256,7 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
                     opt.zero_grad(set_to_none=True)
                 sums += torch.stack([loss.sum(), kl.sum(), clipped.sum(), mask[micro].sum()]).detach()
     loss, kl, clipped, tokens = accel.reduce(sums, "sum").tolist()
-    return {"loss": loss / max(tokens, 1),
-            "kl": kl / max(tokens, 1),
-            "clip_frac": clipped / max(tokens, 1),
+    return {"loss": loss / max(tokens, 1), "kl": kl / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0}
 
 
@@ -271,8 +282,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
 
         # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
         a_traj = run.method.trajectory_advantages(episodes)
-        a_hat = [np.zeros(len(ep.turns)) for ep in episodes]  # A_hat per turn: 0 unless branched
-        stats = {}
+        a_hat, stats = [np.zeros(len(ep.turns)) for ep in episodes], {}  # A_hat per turn: 0 unless branched
         if cfg.method in methods.TWIN_METHODS:
             # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; a keyed uniform draws each branch.
             #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the batch's budget).
@@ -288,7 +298,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
             pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(cfg.twins_per_decision)]
             requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j) for n, j in pairs]
             twins = rollout.run_twins(policy, run.tok, run.retriever, requests, proto, cfg.coupling,
-                                      cfg.same_evidence_shortcut)
+                                      cfg.same_evidence_shortcut, run.method.independent_twins)
 
             # 5. Horvitz-Thompson credit A_hat_t = 1[branched] mean_j D_t^j / q_t; the predictor learns from the
             #    whole batch's twins (every rank fits the same model) and sigma_hat tracks the RMS of A_hat.
@@ -336,14 +346,11 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
                "weight_norm": norm, **update}
     if "twins" in stats:
         metrics.update(methods.twin_stats(accel, stats["twins"], stats["n_decisions"], metrics["factual_tokens"]))
-        metrics.update(predictor_acc=stats["predictor_acc"], q_mean=stats["q_mean"])
-        metrics["aux_tokens"] = metrics["twin_tokens"]
+        metrics.update(predictor_acc=stats["predictor_acc"], q_mean=stats["q_mean"], aux_tokens=metrics["twin_tokens"])
     else:
         metrics.update(methods.reduce_stats(accel, stats))
-    metrics.update({"time_rollout": times["rollout"] - times["start"],
-                    "time_twins": times["twins"] - times["rollout"],
-                    "time_update": now - times["twins"],
-                    "time": now - times["start"]})
+    metrics.update({"time_rollout": times["rollout"] - times["start"], "time_twins": times["twins"] - times["rollout"],
+                    "time_update": now - times["twins"], "time": now - times["start"]})
     return metrics
 
 
@@ -354,9 +361,7 @@ def batch_totals(accel, episodes, batch, ent) -> dict:
                           float(mask.sum()), sum(len(ep.turns) for ep in episodes),
                           sum(ep.n_generated for ep in episodes)], dtype=torch.float64, device=accel.device)
     reward, n_episodes, entropy, n_tokens, turns, generated = accel.reduce(local, "sum").tolist()
-    return {"reward": reward / n_episodes,
-            "entropy": entropy / max(n_tokens, 1),
-            "turns": turns / n_episodes,
+    return {"reward": reward / n_episodes, "entropy": entropy / max(n_tokens, 1), "turns": turns / n_episodes,
             "factual_tokens": int(generated)}
 
 
@@ -399,8 +404,8 @@ def setup(cfg: Config) -> Run:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     policy, opt = accel.prepare(policy, opt)
-    return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt,
-               methods.make(cfg), credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay), qa_eval.load_qa(cfg.train_data),
+    return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt, methods.make(cfg),
+               credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay), qa_eval.load_qa(cfg.train_data),
                n_micro, weight_norm(accel, policy))
 
 
