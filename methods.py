@@ -16,6 +16,8 @@ steps 3-5; every other method is a `Method` here, and plugs into the same step a
 Every extra rollout goes through rollout.py (branch, continue_from, run_twins) with keys derived like twin keys
 (rollout.fresh_key(episode key, TAG, ...)), so every method is exactly reproducible and resumable.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -198,7 +200,7 @@ class ARPO(TreeMethod):
 
     def rollout(self, run, step, prompts, proto) -> list:
         G, policy = self.cfg.group_size, self.policy(run)
-        n0 = min(G, max(1, round(self.cfg.arpo_initial * G)))
+        n0 = min(G, max(1, math.floor(self.cfg.arpo_initial * G + 0.5)))  # half up: G = 5 -> 3 full samples
         lines = rollout.start_episodes(run.tok, prompts, self.cfg.seed, step, G)  # (prompt, line) order
         groups = [lines[p * G:(p + 1) * G] for p in range(len(prompts))]
         rollout.run_episodes(policy, run.tok, run.retriever, [ep for g in groups for ep in g[:n0]], proto)
