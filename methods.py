@@ -64,7 +64,9 @@ class Independent(Method):
     """The textbook independent counterfactual (e.g. the independent branching the TWICE paper compares with, its
     "21.7% wrong-sign" row): TWICE's loop (budget rule, Horvitz-Thompson, predictor, omega, sigma_hat: steps 3-6),
     with D_t = U - U' from a twin whose alternative y' and everything after it use fresh keys
-    (rollout.run_twins(independent=True)): a self-twin is rolled out like any other, no same-evidence shortcut."""
+    (rollout.run_twins(independent=True)): a self-twin is rolled out like any other, no same-evidence shortcut.
+    # DEVIATION B1: the budget rule, the discordance predictor, Horvitz-Thompson and sigma_hat stay TWICE's (only the
+    counterfactual changes), so the comparison isolates the coupling; the predictor learns independent discordance."""
     name = "independent"
     independent_twins = True
 
@@ -75,6 +77,8 @@ class VinePPO(Method):
     K = vine_k Monte Carlo continuations with fresh keys from every turn boundary of every episode, and
     A_t = V_hat(s_{t+1}) - V_hat(s_t) with V(s_T) = U (credit.vineppo_advantages). The K continuations from
     s_t use turn_key(fresh_key(episode key, VINE_TAG, t, k), turn): reproducible, independent of the episode.
+    # DEVIATION B2: every episode gets its own K continuations from each of its boundaries, s_0 included, though a
+    prompt's G lines share s_0 (as VinePPO estimates per trajectory); K = 9 is VinePPO's default.
     # DEVIATION B3: no advantage whitening and no GRPO term: A_t is the method's whole advantage (VinePPO trains
     PPO on these advantages; a turn is the step, as in its multi-step reading of a response)."""
     name = "vineppo"
@@ -231,7 +235,9 @@ class TreeGRPO(TreeMethod):
     among the tree's distinct non-terminal states. Leaf advantage A = A_intra-tree + A_inter-tree
     (credit.tree_grpo_advantages); shared prefixes get their leaves' mean (its step-level preference reading).
     # DEVIATION B8: the paper expands N nodes per tree per round (M (1 + L N) leaves); here the G - M expansions
-    are spread over trees and rounds so a prompt has exactly G leaves at any G."""
+    are spread over trees and rounds so a prompt has exactly G leaves at any G.
+    # DEVIATION B9: nodes are drawn uniformly among the tree's distinct non-terminal states, the root (the prompt)
+    included; expanding node s_t keeps the turns before t and re-samples turn t onwards with fresh keys."""
     name = "tree_grpo"
 
     def _expand(self, tree, e, m):

@@ -33,7 +33,8 @@ def fake_turn(action="search", doc_ids=(), obs=True, start=0, n=3):
 def fake_episode(uid, line, observations, reward):
     """An episode whose turn t showed observations[t] (a tuple of ids, "invalid", or None for a final answer)."""
     turns = [fake_turn("answer" if o is None else "search" if o != "invalid" else None,
-                       o if isinstance(o, tuple) else (), o is not None, start=8 * t) for t, o in enumerate(observations)]
+                       o if isinstance(o, tuple) else (), o is not None, start=8 * t)
+             for t, o in enumerate(observations)]
     return rollout.Episode(uid=uid, line=line, key=rollout.mix(uid, line), question="q", golden_answers=["a"],
                            prompt_ids=[1], turns=turns, reward=float(reward), done=True)
 
@@ -51,10 +52,10 @@ def test_gigpo_anchor_groups_and_advantage_by_hand():
     assert stats == {"aux_tokens": 0, "anchor_groups": 4}
     a_ep = credit.grpo_advantages([1, 0, 1], [0, 0, 0])  # (1/3, -2/3, 1/3) / std
     # turn 0 (one anchor of 3): returns 0.5 U, 0.5 U, 0.25 U = (0.5, 0, 0.25): mean 0.25, std 0.25
-    # turn 1 of lines 0/1 (anchor of 2): returns (1, 0): +-1 / std(1, 0) = +-1 / 0.7071; line 2's later turns: singletons
+    # turn 1 of lines 0/1 (anchor of 2): returns (1, 0) -> +-0.5 / std(1, 0); line 2's later turns: singletons
     s2 = np.std([1.0, 0.0], ddof=1)
-    expect = [[a_ep[0] + 2 * 0.25 / 0.25, a_ep[0] + 2 * 0.5 / s2], [a_ep[1] - 2 * 0.25 / 0.25, a_ep[1] - 2 * 0.5 / s2],
-              [a_ep[2] + 0.0, a_ep[2], a_ep[2]]]
+    expect = [[a_ep[0] + 2 * 0.25 / 0.25, a_ep[0] + 2 * 0.5 / s2],
+              [a_ep[1] - 2 * 0.25 / 0.25, a_ep[1] - 2 * 0.5 / s2], [a_ep[2] + 0.0, a_ep[2], a_ep[2]]]
     for got, want in zip(adv, expect):
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
@@ -184,12 +185,14 @@ def test_independent_twins_are_textbook(world_run):
     world, run, rows = world_run
     cfg = cfg_of(world=world)
     proto = rollout.protocol_from(cfg)
-    eps = rollout.run_episodes(run.policy, run.tok, run.retriever, rollout.start_episodes(run.tok, rows, 0, 0, 3), proto)
+    eps = rollout.start_episodes(run.tok, rows, 0, 0, 3)
+    rollout.run_episodes(run.policy, run.tok, run.retriever, eps, proto)
     requests = [(ep, t, 0) for ep in eps for t in range(len(ep.turns))]
     ind = rollout.run_twins(run.policy, run.tok, run.retriever, requests, proto, independent=True)
     old = rollout.run_twins(run.policy, run.tok, run.retriever, requests, proto, coupling=False)
     assert all(tw.kind == "rollout" for tw in ind)
-    assert all(tw.diff == 0 and tw.outcome == ep.reward for (ep, _, _), tw in zip(requests, old) if tw.kind != "rollout")
+    assert all(tw.diff == 0 and tw.outcome == ep.reward
+               for (ep, _, _), tw in zip(requests, old) if tw.kind != "rollout")
     for (ep, t, j), tw in zip(requests, ind):
         seed = rollout.fresh_key(ep.key, rollout.INDEPENDENT_TAG, t, j)
         assert [tw.twin.key_for(u) for u in range(t, len(tw.twin.turns))] == \
