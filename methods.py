@@ -73,8 +73,8 @@ class Independent(Method):
 
 class VinePPO(Method):
     """VinePPO (Kazemnejad et al. 2024, "VinePPO: Unlocking RL Potential for LLM Reasoning through Refined Credit
-    Assignment", Eq. 4-5 with gamma = 1, reward only at the end): V_hat(s_t) = (1/K) sum_k U(rollout k from s_t),
-    K = vine_k Monte Carlo continuations with fresh keys from every turn boundary of every episode, and
+    Assignment": its MC value estimate and advantage, gamma = 1, reward only at the end):
+    V_hat(s_t) = (1/K) sum_k U(rollout k from s_t), K = vine_k Monte Carlo continuations with fresh keys from every turn boundary of every episode, and
     A_t = V_hat(s_{t+1}) - V_hat(s_t) with V(s_T) = U (credit.vineppo_advantages). The K continuations from
     s_t use turn_key(fresh_key(episode key, VINE_TAG, t, k), turn): reproducible, independent of the episode.
     # DEVIATION B2: every episode gets its own K continuations from each of its boundaries, s_0 included, though a
@@ -97,7 +97,7 @@ class VinePPO(Method):
 
 class GiGPO(Method):
     """GiGPO (Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training", verl-agent):
-    A = A^E(tau_i) + omega * A^S(a_t) (its Eq. for the combined advantage; credit.gigpo_combine), A^E the episode
+    A = A^E(tau_i) + omega * A^S(a_t) (its combined advantage; credit.gigpo_combine), A^E the episode
     group advantage (GRPO's), A^S the return-to-go R_t = gamma^(T-1-t) U normalised by std within the step's anchor
     group: every step of the prompt's G episodes taken from an identical state (credit.gigpo_step_advantages).
     # DEVIATION B4: the state of a search episode is the evidence it has been shown, rollout.evidence_states:
@@ -179,13 +179,14 @@ class TreeMethod(Method):
 
 
 class ARPO(TreeMethod):
-    """ARPO (Dong et al. 2025, "Agentic Reinforced Policy Optimization", Sec. 3.2-3.3), rollout budget M = group_size
-    trajectories per prompt, as GRPO's: N = round(arpo_initial * M) full samples; after each tool observation
+    """ARPO (Dong et al. 2025, "Agentic Reinforced Policy Optimization": entropy-based adaptive rollout and
+    advantage attribution), rollout budget M = group_size trajectories per prompt, as GRPO's: N = round(arpo_initial
+    * M) full samples; after each tool observation
     (turn t following an executed search) the entropy of the next turn gives P_t = alpha + beta * Normalize(H_t -
     H_initial) (credit.arpo_branch, alpha a keyed U(0, 1) as the official code draws it); P_t > tau branches
     arpo_beam partial samples from s_t, until the M - N remaining slots are spent; unspent slots are full samples.
-    Leaf advantage: the group-normalised reward over the M leaves; shared-prefix tokens get the mean (Eq. of its
-    advantage attribution; credit.shared_prefix_advantages).
+    Leaf advantage: the group-normalised reward over the M leaves; shared-prefix tokens get the mean of their
+    branches (its advantage attribution; credit.shared_prefix_advantages).
     # DEVIATION B7: H_t is the mean entropy of the whole turn after the observation (ARPO: the first k tokens);
     branching happens once, from the N initial samples, candidates in (sample, turn) order (ARPO branches during
     generation, partial samples included); the initial and the filling samples are GRPO's lines 0..M-1 (same keys)."""
