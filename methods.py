@@ -75,7 +75,8 @@ class VinePPO(Method):
     """VinePPO (Kazemnejad et al. 2024, "VinePPO: Unlocking RL Potential for LLM Reasoning through Refined Credit
     Assignment": its MC value estimate and advantage, gamma = 1, reward only at the end):
     V_hat(s_t) = (1/K) sum_k U(rollout k from s_t), K = vine_k Monte Carlo continuations with fresh keys from every
-    turn boundary of every episode, and A_t = V_hat(s_{t+1}) - V_hat(s_t) with V(s_T) = U (credit.vineppo_advantages). The K continuations from
+    turn boundary of every episode, and A_t = V_hat(s_{t+1}) - V_hat(s_t) with V(s_T) = U
+    (credit.vineppo_advantages). The K continuations from
     s_t use turn_key(fresh_key(episode key, VINE_TAG, t, k), turn): reproducible, independent of the episode.
     # DEVIATION B2: every episode gets its own K continuations from each of its boundaries, s_0 included, though a
     prompt's G lines share s_0 (as VinePPO estimates per trajectory); K = 9 is VinePPO's default.
