@@ -37,8 +37,9 @@ def usage(cls, prog: str, positional: str = "[PRESET.cfg ...]") -> str:
     docs = field_docs(cls)
     lines = [f"usage: python {prog} {positional} [--key=value ...]", ""]
     if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):  # not dataclass's generated signature
-        lines += [cls.__doc__.strip(), ""]
-    for f in dataclasses.fields(cls):
+        lines += [inspect.cleandoc(cls.__doc__), ""]
+    own = getattr(cls, "__annotations__", {})  # the script's own fields first, then inherited knobs
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         lines.append(f"  --{f.name}={f.default!r}  ({kind})  {docs.get(f.name, '')}".rstrip())
     return "\n".join(lines)

@@ -447,12 +447,30 @@ def arpo_advantages(rewards, paths, eps=1e-6) -> list:
     root first; shared-prefix segments appear in several paths. A_i = group-normalised reward over the G
     trajectories; a segment gets the mean A_i of the trajectories through it (its own A_i if it is individual).
     Returns per-trajectory arrays of segment advantages, aligned with paths."""
-    a = grpo_advantages(rewards, np.zeros(len(paths), dtype=np.int64), eps)
+    return shared_prefix_advantages(grpo_advantages(rewards, np.zeros(len(paths), dtype=np.int64), eps), paths)
+
+
+def shared_prefix_advantages(leaf_advantages, paths) -> list:
+    """Tree credit (ARPO's advantage attribution; Tree-GRPO's implicit step preference): a segment shared by
+    several leaves gets the mean advantage of the leaves through it, an individual one its leaf's. paths[i] =
+    segment ids of leaf i (e.g. one per turn), root first. Returns per-leaf arrays aligned with paths."""
     total, count = {}, {}
-    for a_i, path in zip(a, paths):
+    for a_i, path in zip(_np(leaf_advantages).reshape(-1), paths):
         for seg in path:
             total[seg], count[seg] = total.get(seg, 0.0) + a_i, count.get(seg, 0) + 1
     return [np.array([total[seg] / count[seg] for seg in path]) for path in paths]
+
+
+def tree_grpo_advantages(rewards, tree_ids, prompt_ids, eps=1e-6) -> np.ndarray:
+    """Tree-GRPO (Ji et al. 2025, arXiv 2509.21240, tree-based group advantage) per leaf: A = A_intra + A_inter,
+    the reward group-normalised within the leaf's tree plus group-normalised over every leaf of the prompt's trees
+    (tree_ids: hashables unique over the batch, e.g. (prompt, tree))."""
+    return grpo_advantages(rewards, tree_ids, eps) + grpo_advantages(rewards, prompt_ids, eps)
+
+
+def step_returns(outcome, n_turns, gamma=1.0) -> np.ndarray:
+    """Return-to-go R_t = gamma^(T-1-t) U of an episode of T turns rewarded only at its end (GiGPO, HGPO)."""
+    return float(outcome) * gamma ** np.arange(n_turns - 1, -1, -1, dtype=np.float64)
 
 
 def spa_rl_rewards(contributions, grounding, alpha, beta) -> np.ndarray:

@@ -165,6 +165,8 @@ FMIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None))  # split
 U_BITS = 23  # u = (k + 1/2) / 2^23: exactly representable in float32, never 0 or 1, so g is finite (|g| < 17)
 TURN_TAG, ALT_TAG, UNCOUPLED_TAG, MC_Q_TAG, MC_V_TAG = 0x7475726E, 0x616C74, 0x756E63, 0x6D6371, 0x6D6376  # ASCII
 BRANCH_TAG = 0x6272616E  # "bran": the budget rule's branch draws, independent of every sampling key
+# the baselines' extra rollouts (methods.py), ASCII like the tags above: "ind", "vine", "arpo", "tree"
+INDEPENDENT_TAG, VINE_TAG, ARPO_TAG, TREE_TAG = 0x696E64, 0x76696E65, 0x6172706F, 0x74726565
 
 
 def _fmix64(x: int) -> int:
@@ -748,22 +750,31 @@ def _same_evidence(factual: Turn, alt: Turn) -> bool:
     return factual.action == alt.action == "search" and bool(alt.doc_ids) and alt.doc_ids == factual.doc_ids
 
 
-def run_twins(model, tokenizer, retriever, requests, proto, coupling=True, same_evidence_shortcut=True) -> list:
+def run_twins(model, tokenizer, retriever, requests, proto, coupling=True, same_evidence_shortcut=True,
+              independent=False) -> list:
     """Twin of each (finished episode, turn t, j), all batched: y' ~ pi(. | s_t) with alt_key(key, t, j), then
     the factual keys for every later (turn, pos) (coupling) or fresh ones. Self-twins (y' == y_t token for token)
     and, with the shortcut, searches retrieving the same ids in the same order take D = 0 without a rollout.
+
+    independent=True is the textbook independent counterfactual (method=independent): y' and every later turn use
+    turn_key(fresh_key(key, INDEPENDENT_TAG, t, j), turn), every twin is rolled out (a self-twin too: its future
+    noise is fresh, so it is not the factual episode) and the shortcut is off. coupling=False alone keeps the old
+    ablation, which still scores self-twins and shortcuts as D = 0 (a coupled outcome).
     """
     twins = []
     for i, (ep, t, j) in enumerate(requests):
         if not ep.done:
             raise ValueError(f"request {i}: twins branch from finished episodes")
+        if independent:
+            twins.append(branch(ep, t, fresh_seed=fresh_key(ep.key, INDEPENDENT_TAG, t, j)))
+            continue
         fresh = None if coupling else fresh_key(ep.key, UNCOUPLED_TAG, t, j)
         twins.append(branch(ep, t, key_overrides={t: alt_key(ep.key, t, j)}, fresh_seed=fresh))
     gens = generate_turn(model, tokenizer, twins, proto) if twins else []
     kinds, live = [], []
     for (ep, t, _), twin, gen in zip(requests, twins, gens):
         fact = ep.turns[t]
-        if gen.ids == ep.ids[fact.start:fact.end]:
+        if gen.ids == ep.ids[fact.start:fact.end] and not independent:
             _add_turn(twin, gen, tokenizer)
             kinds.append("self")
         else:
@@ -771,7 +782,8 @@ def run_twins(model, tokenizer, retriever, requests, proto, coupling=True, same_
             kinds.append("rollout")
     execute_turn(tokenizer, retriever, [tw for tw, _ in live], [g for _, g in live], proto)
     for i, (ep, t, _) in enumerate(requests):
-        if kinds[i] == "rollout" and same_evidence_shortcut and _same_evidence(ep.turns[t], twins[i].turns[t]):
+        shortcut = same_evidence_shortcut and not independent
+        if kinds[i] == "rollout" and shortcut and _same_evidence(ep.turns[t], twins[i].turns[t]):
             kinds[i] = "same_evidence"
         if kinds[i] != "rollout":
             twins[i].answer, twins[i].reward, twins[i].done = ep.answer, ep.reward, True
@@ -788,6 +800,36 @@ def continue_from(model, tokenizer, retriever, requests, proto) -> list:
     """
     branches = [branch(ep, t, include_turn=inc, fresh_seed=seed) for ep, t, inc, seed in requests]
     return run_episodes(model, tokenizer, retriever, branches, proto)
+
+
+def observation_of(turn: Turn):
+    """What the environment showed after a turn: the retrieved ids of an executed search, "invalid" for Search-R1's
+    invalid-action message, None when nothing was appended (an answer, or the final turn)."""
+    if turn.doc_ids:
+        return turn.doc_ids
+    return "invalid" if turn.obs_end > turn.obs_start else None
+
+
+def evidence_states(ep) -> list:
+    """GiGPO/HGPO state of each turn t: (uid, observations of turns 0..t-1), the prompt's state for t = 0.
+
+    The environment state of a search episode is the evidence it has been shown; the agent's own words (thoughts,
+    query wording) are the policy's, not the environment's, as GiGPO's ALFWorld anchors are the environment's
+    observations, not the agent's text. Two lines that retrieved the same ids in the same order share a state.
+    """
+    obs = [observation_of(turn) for turn in ep.turns]
+    return [(ep.uid, tuple(obs[:t])) for t in range(len(ep.turns))]
+
+
+def mask_shared_prefix(ep) -> int:
+    """Loss mask 0 on a tree branch's tokens before its branch turn (they are its parent's, trained in the parent's
+    row): each shared token enters the loss once. Returns how many sampled tokens were masked."""
+    if ep.branch_turn is None:
+        return 0
+    cut = ep.turns[ep.branch_turn].start if ep.branch_turn < len(ep.turns) else len(ep.ids)
+    masked = sum(ep.mask[:cut])
+    ep.mask[:cut] = [0] * cut
+    return masked
 
 
 def collate(episodes, pad_id: int) -> dict:

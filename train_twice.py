@@ -15,7 +15,7 @@ Paper: "Same Luck, Different Choice: Twin-World Credit Assignment for Agentic Re
   5. Horvitz-Thompson:                A_hat_t = 1[branched] * mean_j D_t^j / q_t
   6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega * A_hat_t / sigma_hat
   7. PPO-clip on token ratios (clip 0.2), token-mean over loss-masked tokens, k3 KL to the frozen reference.
-omega = 0 is GRPO (no twins are launched); coupling = False is the independent-counterfactual baseline.
+omega = 0 is GRPO (no twins); --method=NAME runs a baseline of methods.py (its rollout, its turn advantages).
 
 How this differs from textbook GRPO (as run by Search-R1/verl): turn-level twin credit is added to the broadcast
 trajectory advantage (steps 3-6); every token is sampled with keyed Gumbel noise, exact sampling from
@@ -46,8 +46,9 @@ import report
 import rollout
 
 @dataclass
-class Config:
-    """Every knob of a run (DESIGN.md sections 3-6), with the paper's defaults."""
+class Config(methods.Knobs):
+    """Every knob of a run (DESIGN.md sections 3-6), with the paper's defaults; the baselines' own knobs
+    (vine_k, gamma, ...) are inherited from methods.Knobs."""
     # --- io ---
     world: str = "data/tinyworld"   # built-in world folder (tinyworld.py); fills model/train_data/eval_data/index
     model: str = ""                 # initial policy and reference: HF hub id or folder ("" -> {world}/policy)
@@ -72,7 +73,7 @@ class Config:
     gen_batch_size: int = 64        # rows per generate call
     fused_sampler: bool = False     # torch.compile the keyed sampler (GPU)
     # --- credit (DESIGN 5, 7) ---
-    method: str = "twice"           # credit method: twice, or a baseline of methods.py (grpo, ...)
+    method: str = "twice"           # credit method: twice, or a baseline of methods.py (grpo, vineppo, ...)
     omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (alias of method=grpo)
     twin_budget: float = 0.7        # expected twin tokens / factual tokens (sum_t q_t c_t)
     q_min: float = 0.05             # q_min, floor of the branch probability
@@ -82,12 +83,6 @@ class Config:
     same_evidence_shortcut: bool = True  # D = 0 without rollout when both searches retrieve the same doc ids
     scale_decay: float = 0.9        # EMA decay of sigma_hat (RMS of the nonzero A_hat)
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
-    gamma: float = 1.0              # discount: ppo's GAE, igpo/spa_rl returns, agentprm MC targets (papers: 1)
-    gae_lambda: float = 1.0         # lambda of ppo's GAE (Search-R1: 1)
-    estimator_lr_scale: float = 10.0  # lr of critic / progress estimator / PRM over lr (Search-R1: 1e-5 / 1e-6)
-    spa_beta: float = 0.1           # SPA-RL weight of the grounding reward g_t (progress weight alpha = 1)
-    prm_rollouts: int = 1           # AgentPRM Monte Carlo continuations per non-final decision
-    craft_beta: float = 1.0         # CRAFT inverse temperature of the sibling weights exp(beta g)
     # --- optim (DESIGN 6) ---
     steps: int = 200                # optimisation steps (one batch of prompts each); the most, with token_budget
     token_budget: int = 0           # stop once factual + aux generated tokens reach this (0: off); equal-cost runs
@@ -126,19 +121,18 @@ class Config:
         """(field, ok, rule): every value that would otherwise fail, or silently mislead, deep inside a step."""
         at_least = {"prompts_per_step": 1, "group_size": 2, "max_turns": 0, "topk": 1, "max_new_tokens": 1,
                     "max_obs_tokens": 0, "max_context": 2, "top_k": 0, "gen_batch_size": 1, "twin_budget": 0,
-                    "twins_per_decision": 1, "steps": 0, "lr": 0, "warmup_steps": 0, "token_budget": 0, "kl_coef": 0,
-                    "ppo_epochs": 1,
-                    "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0, "eval_size": 0, "save_every": 0,
-                    "estimator_lr_scale": 0, "spa_beta": 0, "prm_rollouts": 0, "craft_beta": 0}
+                    "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
+                    "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
+                    "eval_size": 0, "save_every": 0}
         above = {"temperature": 0, "adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
+        unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                 [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
+                [(k, 0 < getattr(self, k) <= 1, "in (0, 1]") for k in unit] +
                 [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
                  ("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
-                 ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("q_min", 0 < self.q_min <= 1, "in (0, 1]"),
-                 ("gamma", 0 < self.gamma <= 1, "in (0, 1]"), ("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
-                 ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"), ("omega", math.isfinite(self.omega),
-                                                                          "finite")])
+                 ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"),
+                 ("omega", math.isfinite(self.omega), "finite")] + self.knob_checks())
 
 
 def parse_config(argv) -> Config:  # preset files (positional), then --key=value overrides (config.py)
@@ -239,7 +233,9 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
                     opt.zero_grad(set_to_none=True)
                 sums += torch.stack([loss.sum(), kl.sum(), clipped.sum(), mask[micro].sum()]).detach()
     loss, kl, clipped, tokens = accel.reduce(sums, "sum").tolist()
-    return {"loss": loss / max(tokens, 1), "kl": kl / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
+    return {"loss": loss / max(tokens, 1),
+            "kl": kl / max(tokens, 1),
+            "clip_frac": clipped / max(tokens, 1),
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0}
 
 
@@ -266,8 +262,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
 
         # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
         a_traj = run.method.trajectory_advantages(episodes)
-        a_hat = [np.zeros(len(ep.turns)) for ep in episodes]  # A_hat per turn: 0 unless branched
-        stats = {}
+        a_hat, stats = [np.zeros(len(ep.turns)) for ep in episodes], {}  # A_hat per turn: 0 unless branched
         if cfg.method in methods.TWIN_METHODS:
             # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; a keyed uniform draws each branch.
             #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the batch's budget).
@@ -283,7 +278,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
             pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(cfg.twins_per_decision)]
             requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j) for n, j in pairs]
             twins = rollout.run_twins(policy, run.tok, run.retriever, requests, proto, cfg.coupling,
-                                      cfg.same_evidence_shortcut)
+                                      cfg.same_evidence_shortcut, run.method.independent_twins)
 
             # 5. Horvitz-Thompson credit A_hat_t = 1[branched] mean_j D_t^j / q_t; the predictor learns from the
             #    whole batch's twins (every rank fits the same model) and sigma_hat tracks the RMS of A_hat.
@@ -333,12 +328,13 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
                "weight_norm": norm, **update}
     if "twins" in stats:
         metrics.update(methods.twin_stats(accel, stats["twins"], stats["n_decisions"], metrics["factual_tokens"]))
-        metrics.update(predictor_acc=stats["predictor_acc"], q_mean=stats["q_mean"])
-        metrics["aux_tokens"] = metrics["twin_tokens"]
+        metrics.update(predictor_acc=stats["predictor_acc"], q_mean=stats["q_mean"], aux_tokens=metrics["twin_tokens"])
     else:
         metrics.update(methods.reduce_stats(accel, stats))
-    metrics.update({"time_rollout": times["rollout"] - times["start"], "time_twins": times["twins"] - times["rollout"],
-                    "time_update": now - times["twins"], "time": now - times["start"]})
+    metrics.update({"time_rollout": times["rollout"] - times["start"],
+                    "time_twins": times["twins"] - times["rollout"],
+                    "time_update": now - times["twins"],
+                    "time": now - times["start"]})
     return metrics
 
 
@@ -349,7 +345,9 @@ def batch_totals(accel, episodes, batch, ent) -> dict:
                           float(mask.sum()), sum(len(ep.turns) for ep in episodes),
                           sum(ep.n_generated for ep in episodes)], dtype=torch.float64, device=accel.device)
     reward, n_episodes, entropy, n_tokens, turns, generated = accel.reduce(local, "sum").tolist()
-    return {"reward": reward / n_episodes, "entropy": entropy / max(n_tokens, 1), "turns": turns / n_episodes,
+    return {"reward": reward / n_episodes,
+            "entropy": entropy / max(n_tokens, 1),
+            "turns": turns / n_episodes,
             "factual_tokens": int(generated)}
 
 

@@ -127,7 +127,8 @@ def tiny_run(tiny_world, tmp_path_factory):
     run = tt.setup(cfg)
     proto = rollout.protocol_from(cfg)
     with torch.no_grad():
-        episodes = methods.Method(cfg).rollout(run, 0, tt.prompts_for_step(run.rows, cfg, 0, 0, 1), proto)
+        prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, 0)
+        episodes = methods.Method(cfg).rollout(run, 0, prompts, proto)
     for i, ep in enumerate(episodes):  # a fixed batch with both outcomes in every group, whatever the policy did
         ep.reward = float(i % 2)
     return cfg, run, episodes, proto
