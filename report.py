@@ -58,12 +58,17 @@ def run_summary(out_dir: str) -> str:
               f"{last.get(k, float('nan')):.3f} |" for k in keys]
     steps = [r for r in rows if "final" not in r]
     tot = {k: sum(r.get(k, 0) for r in steps) for k in ("decisions", "twins", "self_twins", "shortcuts",
-                                                         "twin_rollouts", "twin_tokens", "factual_tokens")}
-    twins = max(tot["twins"], 1)
-    lines += ["", f"{len(steps)} steps: {tot['decisions']} decisions, {tot['twins']} twins drawn "
-              f"(self-twins {tot['self_twins'] / twins:.1%}, same-evidence shortcuts {tot['shortcuts'] / twins:.1%}, "
-              f"{tot['twin_rollouts']} rolled out); generated tokens: factual {tot['factual_tokens']}, twins "
-              f"{tot['twin_tokens']}, total / factual {1 + tot['twin_tokens'] / max(tot['factual_tokens'], 1):.2f}x"]
+                                                         "twin_rollouts", "factual_tokens", "aux_tokens")}
+    ratio = 1 + tot["aux_tokens"] / max(tot["factual_tokens"], 1)
+    tokens = (f"generated tokens: factual {tot['factual_tokens']}, auxiliary (twins, continuations) "
+              f"{tot['aux_tokens']}, total / factual {ratio:.2f}x")
+    if tot["twins"]:
+        twins = tot["twins"]
+        lines += ["", f"{len(steps)} steps: {tot['decisions']} decisions, {twins} twins drawn (self-twins "
+                  f"{tot['self_twins'] / twins:.1%}, same-evidence shortcuts {tot['shortcuts'] / twins:.1%}, "
+                  f"{tot['twin_rollouts']} rolled out); {tokens}"]
+    else:
+        lines += ["", f"{len(steps)} steps; {tokens}"]
     return "\n".join(lines)
 
 
