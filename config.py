@@ -38,8 +38,7 @@ def usage(cls, prog: str, positional: str = "[PRESET.cfg ...]") -> str:
     lines = [f"usage: python {prog} {positional} [--key=value ...]", ""]
     if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):  # not dataclass's generated signature
         lines += [inspect.cleandoc(cls.__doc__), ""]
-    own = getattr(cls, "__annotations__", {})  # the script's own fields first, then inherited knobs
-    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
+    for f in ordered_fields(cls):
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         lines.append(f"  --{f.name}={f.default!r}  ({kind})  {docs.get(f.name, '')}".rstrip())
     return "\n".join(lines)
@@ -61,8 +60,14 @@ def coerce(where: str, value: str, kind):
         raise ValueError(f"{where}: expected {kind.__name__}, got {value!r}") from None
 
 
+def ordered_fields(cls) -> list:
+    """The dataclass's fields, its own first, then inherited ones (e.g. the baselines' knobs)."""
+    own = cls.__dict__.get("__annotations__", {})
+    return sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)
+
+
 def _types(cls) -> dict:
-    return {f.name: f.type for f in dataclasses.fields(cls)}
+    return {f.name: f.type for f in ordered_fields(cls)}
 
 
 def set_value(cfg, key: str, value: str, where: str):
