@@ -1,32 +1,38 @@
-"""TWICE: GRPO with twin-world credit for multi-turn search agents (one file: config, loop, loss, checkpoints).
+"""TWICE: GRPO with twin-world credit for multi-turn search agents (config, loop, loss).
 
-Paper: "Same Luck, Different Choice: Twin-World Credit Assignment for Agentic Reinforcement Learning"
-(arXiv 2610.31544). Reference design: DESIGN.md sections 5-6. One step (`train_step`, sections # 1. to # 7.):
+Paper: "Same Luck, Different Choice: Twin-World Credit Assignment for Agentic Reinforcement
+Learning" (arXiv 2610.31544); reference design: DESIGN.md sections 5-6. One step, as the sections
+# 1. to # 7. of `train_step`:
 
-  1. G factual episodes per prompt, every token sampled by keyed Gumbel-max (rollout.py):
+  1. G factual episodes per prompt, every token a keyed Gumbel-max draw (rollout.py):
      key = mix(seed, step, prompt_uid, line), noise u = U(key, turn, pos, token).
-  2. Trajectory advantage (GRPO):     A_traj_i = (U_i - mean_group) / (std_group + eps)
-  3. Budget rule:                     q_t = clip(lambda * sqrt(p_t / c_t), q_min, 1),  sum_t q_t c_t = budget
-     p_t = predicted P(U != U') (online logistic regression), c_t = tokens of y_t and of everything after it,
-     budget = twin_budget * factual tokens; decision t is branched iff a keyed uniform < q_t.
-  4. Twins: y' ~ pi(.|s_t) with alternative keys, then the factual keys for every later (turn, pos):
-     same luck, different choice. D_t = U - U' is unbiased for Q(s_t, y_t) - V(s_t), Var = (1 - rho) x that of an
-     independent counterfactual. Self-twins (y' == y_t) and same-evidence searches cost no rollout (D_t = 0).
-  5. Horvitz-Thompson:                A_hat_t = 1[branched] * mean_j D_t^j / q_t
-  6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega * A_hat_t / sigma_hat
-  7. PPO-clip on token ratios (clip 0.2), token-mean over loss-masked tokens, k3 KL to the frozen reference.
-omega = 0 is GRPO (no twins); --method=NAME runs a baseline of methods.py (its rollout, its turn advantages).
+  2. Trajectory advantage (GRPO):  A_traj_i = (U_i - mean_group) / (std_group + eps)
+  3. Budget rule:  q_t = clip(lambda sqrt(p_t / c_t), q_min, 1), lambda such that sum_t q_t c_t =
+     twin_budget x factual tokens; p_t = predicted P(U != U') (online logistic regression), c_t =
+     tokens of y_t and of everything after it; decision t branches iff a keyed uniform < q_t.
+  4. Twins: y' ~ pi(.|s_t) with alternative keys, then the factual keys for every later (turn,
+     pos): same luck, different choice. D_t = U - U' is unbiased for Q(s_t, y_t) - V(s_t), with
+     (1 - rho) x the variance of an independent counterfactual. Self-twins (y' == y_t) and
+     same-evidence searches cost no rollout (D_t = 0).
+  5. Horvitz-Thompson:  A_hat_t = 1[branched] mean_j D_t^j / q_t
+  6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega A_hat_t / sigma_hat
+  7. PPO-clip on token ratios (clip 0.2), token mean over loss-masked tokens, k3 KL to the
+     frozen reference.
+omega = 0 is GRPO (no twins); --method=NAME trains a baseline of methods.py through the same loop.
 
-How this differs from textbook GRPO (as run by Search-R1/verl): turn-level twin credit is added to the broadcast
-trajectory advantage (steps 3-6); every token is sampled with keyed Gumbel noise, exact sampling from
-softmax(logits / T); observation tokens carry loss mask 0 (as Search-R1). Deviations: README "Deviations" (T1 here).
+How this differs from textbook GRPO (as Search-R1/verl run it): turn-level twin credit is added to
+the broadcast trajectory advantage (steps 3-6); every token is sampled with keyed Gumbel noise,
+exact sampling from softmax(logits / T); observation tokens carry loss mask 0 (as Search-R1).
+Deviations: the README's one list (T1 here).
 
 Launch:
-  make demo                                                    # CPU, built-in tiny world, minutes
-  python train_twice.py --help                                 # every option, its default and meaning
-  python train_twice.py configs/qwen2.5-3b.cfg --steps=5       # one GPU, real model
-  accelerate launch --config_file configs/accelerate_ddp.yaml train_twice.py configs/qwen2.5-3b.cfg   # 8 GPUs
-  ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 train_twice.py configs/demo.cfg  # 2 CPU ranks
+  make demo                                            # CPU, built-in tiny world, minutes
+  python train_twice.py --help                         # every option, its default and meaning
+  python train_twice.py configs/qwen2.5-3b.cfg --steps=5                   # one GPU, real model
+  accelerate launch --config_file configs/accelerate_ddp.yaml train_twice.py \
+      configs/qwen2.5-3b.cfg                                               # 8 GPUs
+  ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
+      train_twice.py configs/demo.cfg                                      # 2 CPU ranks
 """
 import math
 import os
@@ -45,20 +51,21 @@ import methods
 import report
 import rollout
 
+
 @dataclass
 class Config(methods.Knobs):
-    """Every knob of a run (DESIGN.md sections 3-6), with the paper's defaults; the baselines' own knobs
-    (vine_k, gamma, ...) are inherited from methods.Knobs."""
+    """Every knob of a run (DESIGN.md sections 3-6), paper defaults; the baselines' own
+    knobs (vine_k, gamma, ...) are inherited from methods.Knobs."""
     # --- io ---
-    world: str = "data/tinyworld"   # built-in world folder (tinyworld.py); fills model/train_data/eval_data/index
-    model: str = ""                 # initial policy and reference: HF hub id or folder ("" -> {world}/policy)
+    world: str = "data/tinyworld"   # world folder (tinyworld.py): fills the blank paths below
+    model: str = ""                 # initial policy and reference: hub id or folder ({world}/policy)
     train_data: str = ""            # QA .jsonl/.parquet (id, question, golden_answers, data_source)
     eval_data: str = ""             # comma-separated QA files for periodic greedy evaluation
     index: str = ""                 # retriever index folder (retriever.py build); "" -> {world}/index
-    retriever_url: str = ""         # Search-R1-style HTTP retriever (POST /retrieve); replaces `index` when set
+    retriever_url: str = ""         # Search-R1 HTTP retriever (POST /retrieve); replaces `index`
     out_dir: str = "runs/twice"     # metrics.jsonl, checkpoints, learning_curve.png
     resume: str = ""                # checkpoint folder to continue from; the run continues exactly
-    overwrite: bool = False         # start anew in an out_dir that holds another run (its files are removed)
+    overwrite: bool = False         # replace the run already in out_dir (its files are removed)
     # --- rollout (DESIGN 3) ---
     prompts_per_step: int = 512     # prompts per step over all ranks (Search-R1 train_batch_size)
     group_size: int = 5             # G, lines per prompt
@@ -67,25 +74,25 @@ class Config(methods.Knobs):
     max_new_tokens: int = 500       # tokens per turn
     max_obs_tokens: int = 500       # tokens per observation
     max_context: int = 4096         # prompt + response tokens
-    temperature: float = 1.0        # T of the keyed Gumbel sampler (and of the log-probs in the loss)
+    temperature: float = 1.0        # T of the keyed sampler and of the log-probs in the loss
     top_p: float = 1.0              # nucleus applied before the noise; 1 = off
     top_k: int = 0                  # top-k applied before the noise; 0 = off
     gen_batch_size: int = 64        # rows per generate call
     fused_sampler: bool = False     # torch.compile the keyed sampler (GPU)
     # --- credit (DESIGN 5, 7) ---
-    method: str = "twice"           # credit method: twice, or a baseline of methods.py (grpo, vineppo, ...)
-    omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (alias of method=grpo)
+    method: str = "twice"           # twice, or a baseline of methods.py (grpo, vineppo, ...)
+    omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (method=grpo)
     twin_budget: float = 0.7        # expected twin tokens / factual tokens (sum_t q_t c_t)
     q_min: float = 0.05             # q_min, floor of the branch probability
     twins_per_decision: int = 1     # K twins per branched decision
-    coupling: bool = True           # twins replay the factual keys; False = independent counterfactual baseline
-    budget_rule: str = "sqrt"       # "sqrt" (q ~ sqrt(p / c)) or "uniform" (same q for every decision)
-    same_evidence_shortcut: bool = True  # D = 0 without rollout when both searches retrieve the same doc ids
+    coupling: bool = True           # twins replay the factual keys (False: partly coupled ablation)
+    budget_rule: str = "sqrt"       # "sqrt" (q ~ sqrt(p / c)) or "uniform" (one q for all)
+    same_evidence_shortcut: bool = True  # D = 0, no rollout, when both searches get the same ids
     scale_decay: float = 0.9        # EMA decay of sigma_hat (RMS of the nonzero A_hat)
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
     # --- optim (DESIGN 6) ---
-    steps: int = 200                # optimisation steps (one batch of prompts each); the most, with token_budget
-    token_budget: int = 0           # stop once factual + aux generated tokens reach this (0: off); equal-cost runs
+    steps: int = 200                # optimisation steps, one batch of prompts each (at most)
+    token_budget: int = 0           # stop at this many generated tokens, factual + aux (0: off)
     lr: float = 1e-6                # AdamW learning rate (Search-R1: 1e-6)
     warmup_steps: int = 0           # linear warm-up steps, then constant
     weight_decay: float = 0.01      # AdamW weight decay
@@ -93,19 +100,19 @@ class Config(methods.Knobs):
     kl_coef: float = 0.001          # k3 KL to the frozen reference (Search-R1: low_var_kl 0.001)
     entropy_coef: float = 0.0       # entropy bonus coefficient
     ppo_epochs: int = 1             # passes over each batch
-    mini_batches: int = 1           # optimizer steps per pass (Search-R1: 512 prompts / ppo_mini_batch 256 = 2)
-    micro_batch_size: int = 8       # sequences per forward/backward; gradients accumulate over a mini-batch
+    mini_batches: int = 1           # optimizer steps per pass (Search-R1: 512 / 256 = 2)
+    micro_batch_size: int = 8       # sequences per forward/backward (gradients accumulate)
     grad_clip: float = 1.0          # max global grad norm
-    max_weight_growth: float = 100.0  # stop as diverged when the weight norm exceeds this x its initial value
+    max_weight_growth: float = 100.0  # diverged when the weight norm passes this x its start
     bf16: bool = False              # bf16 autocast (GPU)
     gradient_checkpointing: bool = False  # trade compute for memory (real models)
     # --- run ---
     seed: int = 0                   # run seed: prompt order, every sampling key, branch draws
     eval_every: int = 50            # steps between greedy evaluations (0 = only at the end)
-    eval_size: int = 0              # questions per periodic evaluation (0 = all); the final one uses all
+    eval_size: int = 0              # questions per periodic evaluation (0 = all; the final: all)
     save_every: int = 0             # steps between checkpoints (0 = only at the end)
-    log_tensorboard: bool = True    # also write every metric as TensorBoard scalars (out_dir/tb)
-    log_wandb: bool = False         # also log to Weights & Biases (WANDB_MODE=offline works without a network)
+    log_tensorboard: bool = True    # every metric as TensorBoard scalars too (out_dir/tb)
+    log_wandb: bool = False         # Weights & Biases too (WANDB_MODE=offline: no network)
     wandb_project: str = "twice"    # W&B project name
 
     def resolve(self):
