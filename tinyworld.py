@@ -39,7 +39,7 @@ W10. Chains: the paper's turns think in free text of hundreds of tokens; ours dr
    sentences (+ what was read and what is needed), so turns are long and of varying length but their reasoning is
    not real: only the action and the names copied into the think block carry a decision.
 W11. Chains: the share of good decisions in failed episodes is estimated from a few Monte Carlo continuations
-   (6 per side) per decision on a sample of 24 sampled test episodes, not the audit's 64 (build-time budget).
+   (6 per side) per decision on a sample of 16 sampled test episodes, not the audit's 64 (build-time budget).
 W12. Chains: the warm-start statistics are measured on the test split only (the split the trainer evaluates).
 
 Launch:
@@ -512,7 +512,7 @@ def pad_batch(encoded, rows, P, pad_id):
     return ids, mask, attn
 
 
-def train_bc(model, encoded, table, s, seed):
+def train_bc(model, encoded, table, s, seed, token_weight=None):
     """Behaviour cloning with AdamW (warmup + cosine), deterministic from the seed; returns the loss curve.
 
     Name embeddings are set from draw_names and frozen; every other step they are redrawn for that step only, so the
@@ -533,12 +533,6 @@ def train_bc(model, encoded, table, s, seed):
     P = common_prefix([e[0] for e in encoded])
     assert not any(any(e[1][:P]) for e in encoded), "the shared prefix must be prompt only (mask 0)"
     prefix = torch.tensor(encoded[0][0][:P])
-    # Chains: fillers make ~60% of the target tokens, which dilutes the copy signal of the names ~5x; without the
-    # weight the policy never learned to copy a name within the build's budget (greedy EM 0.00, sampled 0.007).
-    token_weight = None
-    if s.get("name_weight", 1) != 1:
-        token_weight = torch.ones(emb.shape[0])
-        token_weight[rows] = float(s["name_weight"])
     batches = make_batches(encoded, s["bc_batch"], make_rng(seed, 2))
     steps = min(s["bc_steps"], len(batches))
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
@@ -639,17 +633,24 @@ CHAIN_PROBS = {
     # greedy decoding fails every question of 2 or more hops until RL fixes it)
     "last_bridge": {"continue": 0.45, "stop_short": 0.55},
 }
-CHAIN_QTYPES = {  # type: (hops, templates); 4-hop gets two templates, so 40% of the questions need 4 searches
-    "employer": (1, ("Which company does {} work for?",)),
-    "founder": (2, ("Who founded the company that {} works for?",)),
-    "founder_birthplace": (3, ("Where was the founder of the company that {} works for born?",)),
-    "founder_country": (4, ("In which country was the founder of the company that {} works for born?",
-                            "What is the home country of the founder of the employer of {}?")),
+CHAIN_QTYPES = {  # type: (hops, goal, templates); 4-hop gets two templates, so 40% of the questions need 4 searches
+    "employer": (1, "a company", ("Which company does {} work for?",)),
+    "founder": (2, "a founder", ("Who founded the company that {} works for?",)),
+    "founder_birthplace": (3, "a city", ("Where was the founder of the company that {} works for born?",)),
+    "founder_country": (4, "a country", ("In which country was the founder of the company that {} works for born?",
+                                         "What is the home country of the founder of the employer of {}?")),
 }
-CHAIN_NEED = {"works": "I need the company that {} works for.", "founded": "I need the founder of {}.",
-              "born": "I need the birthplace of {}.", "in": "I need the country of {}."}
-CHAIN_FACT = {"works": "{} works for {}.", "founded": "{} was founded by {}.", "born": "{} was born in {}.",
-              "in": "{} is a city in {}."}
+# Every think block opens by restating the goal: when to stop is then a comparison with the fact just read, a few
+# tokens away, not with the question hundreds of tokens back.
+CHAIN_GOAL = "The question asks for {}."
+# A think block ends with the decision: "Next I need ..." (search) or "So the answer is ..." (answer); "Next" and
+# "So" occur nowhere else, so BC can weight the decision tokens (chains_token_weight).
+CHAIN_NEED = {"works": "Next I need the company that {} works for.", "founded": "Next I need the founder of {}.",
+              "born": "Next I need the city where {} was born.", "in": "Next I need the country of {}."}
+# What a think block says it read: the value's kind is named, the word of the goal sentence (CHAIN_GOAL), so the
+# stop decision compares two equal words (with the documents' wording the BC policy searched on after the answer).
+CHAIN_FACT = {"works": "{} works for the company {}.", "founded": "{} has the founder {}.",
+              "born": "{} was born in the city {}.", "in": "{} is in the country {}."}
 CHAIN_DOC = {  # an entity's document names a second entity of its kind: reading the right fact is a decision
     "works": "{} works for {}. {} knows {}, who works for {}.",
     "founded": "{} was founded by {}. {} competes with {}, which was founded by {}.",
@@ -665,7 +666,7 @@ FILLERS = (
     "Names in this collection often look alike, so I must read them carefully.",
     "Each search returns three documents, and the first one is about the name I searched.",
     "A document can also mention other people, companies or places.",
-    "I will only trust a fact that is stated about the entity I need.",
+    "I will only trust a fact that is stated about the right entity.",
     "It is better to check the next link than to guess the answer.",
     "Let me think about what I know so far and what is still missing.",
     "The answer must be a single name taken from a document.",
@@ -675,8 +676,8 @@ FILLERS = (
 )
 CHAIN_SCALES = {  # entity counts (pairs of look-alikes); policy and BC; warm-start evaluation and oracle sample
     "full": dict(countries=10, city_pairs=20, founder_pairs=20, company_pairs=20, worker_pairs=60, test_pairs=12,
-                 hidden=64, layers=2, init=0.1, bc_steps=400, bc_batch=16, lr=3e-3, name_weight=5, eval_questions=120,
-                 eval_group=5, eval_max_new=128, oracle_episodes=24, oracle_rollouts=6),
+                 hidden=64, layers=2, init=0.1, bc_steps=700, bc_batch=16, lr=3e-3, name_weight=10, eval_questions=120,
+                 eval_group=5, eval_max_new=128, oracle_episodes=16, oracle_rollouts=6),
     "test": dict(countries=3, city_pairs=3, founder_pairs=3, company_pairs=3, worker_pairs=4, test_pairs=1,
                  hidden=32, layers=2, init=0.1, bc_steps=6, bc_batch=4, lr=3e-3, name_weight=5, eval_questions=3,
                  eval_group=2, eval_max_new=24, oracle_episodes=2, oracle_rollouts=2),
@@ -776,7 +777,7 @@ def chains_corpus_rows(world):
 def chains_question_rows(world, split):
     test, rows = set(world["test_subjects"]), []
     workers = [p for p, a in world["people"].items() if "works" in a]
-    for qtype, (hops, templates) in CHAIN_QTYPES.items():
+    for qtype, (hops, goal, templates) in CHAIN_QTYPES.items():
         for subj in workers:
             if (subj in test) != (split == "test"):
                 continue
@@ -784,20 +785,36 @@ def chains_question_rows(world, split):
             for t in templates:
                 rows.append({"id": f"{split}_{len(rows)}", "question": t.format(subj), "golden_answers": [chain[-1]],
                              "data_source": f"chains_{hops}hop", "metadata": {"type": qtype, "subject": subj,
-                                                                               "hops": hops, "chain": chain}})
+                                                                               "hops": hops, "chain": chain,
+                                                                               "goal": goal}})
     return rows
 
 
 def chains_texts(name):
     """Every think sentence once, so that each of its words becomes one token."""
-    return [" ".join(FILLERS), *(t.format(name, name) for t in (*CHAIN_NEED.values(), *CHAIN_FACT.values())),
-            CHAIN_NOTICE.format(name, name), CHAIN_ANSWER.format(name)]
+    sentences = [*FILLERS, *(t.format(name, name) for t in (*CHAIN_NEED.values(), *CHAIN_FACT.values())),
+                 CHAIN_NOTICE.format(name, name), CHAIN_ANSWER.format(name),
+                 *(CHAIN_GOAL.format(goal) for _, goal, _ in CHAIN_QTYPES.values())]
+    return [" ".join(sentences + sentences)]  # each sentence once after a space, as inside a think block
 
 
 def think_text(rng, head, tail):
-    """<think> body: the sentences of `head` (what was read), 1 to 3 fillers, then `tail` (what to do)."""
+    """<think> body: 1 to 3 fillers, the sentences of `head` (goal, what was read), then `tail` (the decision): the
+    decision sits a few tokens after the goal and the fact it compares (far from them, BC did not learn it)."""
     fill = rng.choice(len(FILLERS), int(rng.integers(1, 4)), replace=False)
-    return " ".join([*head, *(FILLERS[i] for i in fill), tail])
+    return " ".join([*(FILLERS[i] for i in fill), *head, tail])
+
+
+def chains_token_weight(tok, table, weight):
+    """(V,) BC weight of each target token: `weight` for the names and the decision and kind words, 1 elsewhere.
+    Fillers make ~60% of the target tokens and dilute the few tokens that carry a decision; unweighted, the policy
+    did not learn to copy names within the build's budget (greedy EM 0.00, sampled 0.007 on the test split)."""
+    import torch
+    w = torch.ones(len(tok))
+    words = ["Next", "So", "company", "founder", "city", "country"]
+    w[torch.cat(table[:2])] = float(weight)
+    w[torch.tensor([tok.convert_tokens_to_ids("\u0120" + x) for x in words])] = float(weight)
+    return w
 
 
 def chains_episode(q, world, top, rng, perfect=False):
@@ -818,7 +835,8 @@ def chains_episode(q, world, top, rng, perfect=False):
         if action == "search":
             state["searches"] += 1
             obs = information_block(docs_text(top[content]))
-        turns.append((f"<think> {think_text(rng, head, tail)} </think>\n<{action}> {content} </{action}>", obs))
+        body = think_text(rng, [CHAIN_GOAL.format(q["metadata"]["goal"]), *head], tail)
+        turns.append((f"<think> {body} </think>\n<{action}> {content} </{action}>", obs))
 
     target, head = q["metadata"]["subject"], []
     row = "search_confusable" if world["people"][target]["confusable"] else "search"
@@ -957,7 +975,9 @@ def _build(tmp, seed, scale, out, preset="tiny"):
     times["tokenizer_demos_s"], t = time.time() - t, time.time()
     torch.manual_seed(seed)
     model = make_policy(tok, sc)
-    losses = train_bc(model, encoded, name_table(tok, world), sc, seed)
+    table = name_table(tok, world)
+    weight = chains_token_weight(tok, table, sc["name_weight"]) if preset == "chains" else None
+    losses = train_bc(model, encoded, table, sc, seed, weight)
     model.save_pretrained(os.path.join(tmp, "policy"))
     tok.save_pretrained(os.path.join(tmp, "policy"))
     times["bc_s"], t = time.time() - t, time.time()
