@@ -7,7 +7,7 @@ import re
 import pytest
 
 import tinyworld
-from eval import load_qa, reward
+from eval import read_jsonl, reward
 
 SEED = 5
 
@@ -27,7 +27,7 @@ def built(world_dir):
     retr = retriever.DenseRetriever(os.path.join(world_dir, "index"))
     names = tinyworld.entity_names(blob["world"])
     top = dict(zip(names, retr.search(names, topk=tinyworld.TOPK)))
-    rows = {s: load_qa(os.path.join(world_dir, f"{s}.jsonl")) for s in ("train", "test")}
+    rows = {s: [r for _, r in read_jsonl(os.path.join(world_dir, f"{s}.jsonl"))] for s in ("train", "test")}
     return {"world": blob["world"], "stats": blob["stats"], "top": top, "rows": rows}
 
 
