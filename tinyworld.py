@@ -25,7 +25,7 @@ their outcome late: worker -works-> company -founded-> founder -born-> city -in-
 (H = 1..4, 40% 4-hop) asks for the H-th link from a worker and needs exactly H searches. Cities, founders, companies
 and workers come in look-alike pairs whose chains differ at every link; every document names a second entity of its
 kind (the misread fact). Each scripted turn thinks in a <think> block of 1-3 information-free sentences plus what
-was read and what is needed (~45 tokens). The scripts make a different plausible mistake at each hop (CHAIN_PROBS):
+was read and what is needed (~55 tokens). The scripts make a different plausible mistake at each hop (CHAIN_PROBS):
 search the look-alike, misread the other entity's fact, answer a bridge early, stop one hop short (the majority at
 the last bridge, so greedy decoding fails there). world.json's stats hold the measured warm-start figures and the
 share of decisions with positive oracle advantage (Monte Carlo through rollout.continue_from) in failed episodes.
@@ -659,7 +659,7 @@ CHAIN_DOC = {  # an entity's document names a second entity of its kind: reading
 }
 CHAIN_NOTICE, CHAIN_ANSWER = "The document is about {}, not {}.", "So the answer is {}."
 # DEVIATION W10: think-block sentences without information; each turn's <think> carries 1 to 3 of them, so turns
-# are ~45 tokens of varying length and a twin's cost is comparable to a continuation's.
+# are ~55 tokens of varying length and a twin's cost is comparable to a continuation's.
 FILLERS = (
     "The question asks for one fact at the end of a chain of facts.",
     "I should follow the chain one link at a time and not skip a step.",
@@ -807,8 +807,8 @@ def think_text(rng, head, tail):
 
 def chains_token_weight(tok, table, weight):
     """(V,) BC weight of each target token: `weight` for the names and the decision and kind words, 1 elsewhere.
-    Fillers make ~60% of the target tokens and dilute the few tokens that carry a decision; unweighted, the policy
-    did not learn to copy names within the build's budget (greedy EM 0.00, sampled 0.007 on the test split)."""
+    Fillers make ~60% of the target tokens and dilute the few tokens that carry a decision; unweighted (first build,
+    3 layers, 400 steps), the policy did not learn to copy names: test greedy EM 0.00, sampled 0.007."""
     import torch
     w = torch.ones(len(tok))
     words = ["Next", "So", "company", "founder", "city", "country"]
