@@ -24,11 +24,13 @@ test: install
 test-slow: install
 	$(PY) -m pytest -q -m slow tests
 
-# The built-in tiny world: corpus, questions, tokenizer, index and warm-start policy (DESIGN.md section 9).
+# A built-in world: corpus, questions, tokenizer, index and warm-start policy (DESIGN.md section 9). PRESET=tiny (the
+# demo's) or chains (1- to 4-hop chains: make world WORLD=data/chains PRESET=chains, ~10 min on one thread).
+PRESET  ?= tiny
 world: install $(WORLD)/world.json
 
 $(WORLD)/world.json:
-	$(PY) tinyworld.py --out $(WORLD) --seed $(SEED)
+	$(PY) tinyworld.py --out $(WORLD) --seed $(SEED) --preset $(PRESET)
 
 # Rebuild only the tiny world's dense index (e.g. after editing the corpus).
 index: install

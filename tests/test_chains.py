@@ -1,0 +1,155 @@
+"""Tests for the chains world (tinyworld.py --preset chains, issue 11): one test-scale world is built once through the
+CLI and checked for determinism, solvability by the perfect script, and chains reachable by searching entity names."""
+import json
+import os
+import re
+
+import pytest
+
+import tinyworld
+from eval import read_jsonl, reward
+
+SEED = 5
+
+
+@pytest.fixture(scope="module")
+def world_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("chains") / "world"
+    tinyworld.main(["--out", str(out), "--seed", str(SEED), "--preset", "chains", "--scale", "test"])
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def built(world_dir):
+    import retriever
+    with open(os.path.join(world_dir, "world.json")) as f:
+        blob = json.load(f)
+    retr = retriever.DenseRetriever(os.path.join(world_dir, "index"))
+    names = tinyworld.entity_names(blob["world"])
+    top = dict(zip(names, retr.search(names, topk=tinyworld.TOPK)))
+    rows = {s: [r for _, r in read_jsonl(os.path.join(world_dir, f"{s}.jsonl"))] for s in ("train", "test")}
+    return {"world": blob["world"], "stats": blob["stats"], "top": top, "rows": rows}
+
+
+def test_files_and_question_mix(world_dir, built):
+    assert sorted(os.listdir(world_dir)) == ["corpus.jsonl", "index", "policy", "test.jsonl", "train.jsonl",
+                                             "world.json"]
+    for split, rows in built["rows"].items():
+        assert {r["data_source"] for r in rows} == {f"chains_{h}hop" for h in (1, 2, 3, 4)}
+        assert built["stats"]["questions_per_hop"][split]["4"] == sum(r["metadata"]["hops"] == 4 for r in rows)
+    # the full-scale world (no build needed for its questions): at least 30% of the questions need 4 searches
+    full = tinyworld.make_chains_world(0, "full")
+    for split in ("train", "test"):
+        rows = tinyworld.question_rows(full, split)
+        assert sum(r["metadata"]["hops"] == 4 for r in rows) / len(rows) >= 0.3
+
+
+def test_test_subjects_never_in_train_questions(built):
+    test_subjects = set(built["world"]["test_subjects"])
+    assert test_subjects == {r["metadata"]["subject"] for r in built["rows"]["test"]}
+    for r in built["rows"]["train"]:
+        assert not test_subjects & set(re.findall(r"\w+", r["question"]))
+
+
+def test_every_chain_is_reachable_by_searching_entity_names(built):
+    """Searching each link's name retrieves its own document at rank 1, which states the next link; the last link
+    is the gold answer, and no answer or bridge is named in the question."""
+    world, top = built["world"], built["top"]
+    for r in built["rows"]["train"] + built["rows"]["test"]:
+        name, chain = r["metadata"]["subject"], r["metadata"]["chain"]
+        assert len(chain) == r["metadata"]["hops"] and chain[-1] == r["golden_answers"][0]
+        for rel, value in zip(tinyworld.CHAIN_RELS, chain):
+            doc = top[name][0]
+            assert tinyworld.doc_title(doc) == name
+            first = tinyworld.CHAIN_DOC[rel].split(". ")[0].format(name, value)
+            assert doc["contents"].split("\n")[1].startswith(first + ". ")
+            assert value not in re.findall(r"\w+", r["question"])
+            name = value
+    assert built["stats"]["retrieval_check"]["rank1"] == 1.0
+
+
+def test_lookalikes_and_neighbours_point_down_wrong_chains(built):
+    world, top = built["world"], built["top"]
+    look = world["lookalike"]
+    for a, b in look.items():
+        assert look[b] == a and a != b and tinyworld.doc_title(top[b][0]) == b  # the distractor really is retrieved
+        rels = tinyworld.CHAIN_RELS[tinyworld.CHAIN_RELS.index(tinyworld.chain_rel(world, a)):]
+        assert all(x != y for x, y in zip(tinyworld.chain_of(world, a, rels), tinyworld.chain_of(world, b, rels)))
+    for n, m in world["neighbour"].items():  # every document names a second entity with a different fact
+        rel = tinyworld.chain_rel(world, n)
+        assert m != n and tinyworld.relation(world, m, rel) != tinyworld.relation(world, n, rel)
+        assert f" {m}," in top[n][0]["contents"]
+
+
+def test_perfect_script_solves_every_question_with_one_search_per_hop(built):
+    world, top = built["world"], built["top"]
+    rows = built["rows"]["train"] + built["rows"]["test"]
+    assert tinyworld.scripted_em(world, rows, top, 0, perfect=True) == 1.0
+    assert built["stats"]["scripted_em"]["test"]["perfect"] == 1.0
+    rng = tinyworld.make_rng(0, 7)
+    for r in rows:
+        turns, _ = tinyworld.scripted_episode(r, world, top, rng, perfect=True)
+        assert len(turns) == r["metadata"]["hops"] + 1 <= tinyworld.MAX_SEARCHES + 1
+        assert all(t.endswith("</search>") for t, _ in turns[:-1]) and turns[-1][0].endswith("</answer>")
+        assert reward(tinyworld.episode_response(turns), r["golden_answers"]) == 1.0
+
+
+def test_imperfect_script_makes_each_mistake_and_fails_more(built):
+    world, top = built["world"], built["top"]
+    rows = (built["rows"]["train"] + built["rows"]["test"]) * 20
+    assert tinyworld.scripted_em(world, rows, top, 0, perfect=False) < 0.6
+    rng, picks = tinyworld.make_rng(0, 8), set()
+    for r in rows:
+        picks |= set(tinyworld.scripted_episode(r, world, top, rng)[1])
+    for mistake in (("search", "lookalike"), ("read", "misread"), ("bridge", "answer_early"),
+                    ("last_bridge", "stop_short"), ("after_lookalike", "trust"), ("after_lookalike", "notice")):
+        assert mistake in picks
+
+
+def test_think_blocks_vary_and_names_are_single_tokens(built, world_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.join(world_dir, "policy"))
+    world, top = built["world"], built["top"]
+    for name in tinyworld.entity_names(world):
+        assert len(tok(" " + name, add_special_tokens=False)["input_ids"]) == 1, name
+    lengths = []
+    rng = tinyworld.make_rng(0, 9)
+    for r in built["rows"]["train"]:
+        for text, _ in tinyworld.scripted_episode(r, world, top, rng)[0]:
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            assert tok.decode(ids) == text
+            lengths.append(len(ids))
+    assert sum(lengths) / len(lengths) >= 40 and max(lengths) - min(lengths) >= 20
+
+
+def test_stats_fields(built):
+    warm = built["stats"]["warm_start"]["test"]
+    for key in ("greedy_em", "sampled_em", "mixed_groups", "turns_mean", "tokens_per_turn_mean", "per_hop", "oracle"):
+        assert key in warm
+    assert 0 <= warm["oracle"]["share_positive_in_failed"] <= 1 and warm["oracle"]["decisions"] > 0
+
+
+def test_world_is_deterministic_in_the_seed():
+    def dump(seed):
+        world = tinyworld.make_chains_world(seed, "test")
+        return json.dumps([tinyworld.corpus_rows(world), tinyworld.question_rows(world, "train"),
+                           tinyworld.question_rows(world, "test")])
+    assert dump(SEED) == dump(SEED)
+    assert dump(SEED) != dump(SEED + 1)
+
+
+def test_rebuild_is_bit_for_bit_identical(world_dir, tmp_path):
+    again = str(tmp_path / "again")
+    tinyworld.build_tinyworld(again, seed=SEED, scale="test", preset="chains")
+    for rel in ("corpus.jsonl", "train.jsonl", "test.jsonl", "index/index.faiss", "policy/model.safetensors",
+                "policy/tokenizer.json"):
+        with open(os.path.join(world_dir, rel), "rb") as f, open(os.path.join(again, rel), "rb") as g:
+            assert f.read() == g.read(), rel
+    with open(os.path.join(world_dir, "world.json")) as f, open(os.path.join(again, "world.json")) as g:
+        a, b = json.load(f), json.load(g)
+    assert a["world"] == b["world"] and a["stats"]["warm_start"] == b["stats"]["warm_start"]
+
+
+def test_unknown_preset_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="preset"):
+        tinyworld.build_tinyworld(str(tmp_path / "w"), scale="test", preset="nope")
