@@ -7,7 +7,8 @@ import re
 import pytest
 
 import tinyworld
-from eval import read_jsonl, reward
+from eval import read_jsonl
+from rollout import reward
 
 SEED = 5
 
