@@ -146,6 +146,7 @@ class Protocol:
     gen_batch_size: int = 64      # rows per generate call (episodes sorted by context length, then chunked)
     max_query_chars: int = 1024   # a search query is cut to this many characters before retrieval (DEVIATION 2)
     fused_sampler: bool = False   # torch.compile the keyed sampler into one kernel (use on GPU; eager is reference)
+    engine: str = "cached"        # "cached": KV reuse + continuous batching; "generate": model.generate per turn
 
 
 def protocol_from(cfg, greedy: bool = False) -> Protocol:
@@ -558,6 +559,9 @@ def _generate_chunk(model, tokenizer, contexts, keys, budgets, proto) -> list:
                              generation_config=config, logits_processor=LogitsProcessorList([proc]),
                              stopping_criteria=StoppingCriteriaList([stopper]))
     new = out[:, width:].cpu()  # (B, n_steps)
+    COUNTS["positions"] += n * (width + max(new.shape[1] - 1, 0))  # prefill, then one column per decode step
+    COUNTS["row_steps"] += n * new.shape[1]
+    COUNTS["tokens"] += sum(stopper.length)
     logprobs, entropy = proc.records()
     gens = []
     for b in range(n):
@@ -569,7 +573,11 @@ def _generate_chunk(model, tokenizer, contexts, keys, budgets, proto) -> list:
 
 
 def generate_turn(model, tokenizer, episodes, proto) -> list:
-    """Sample the next turn of every episode (none may be done), batched in chunks of gen_batch_size."""
+    """Sample the next turn of every episode (none may be done): the cached engine for a transformers model (below),
+    else (proto.engine = "generate", or any object with only `generate`) left-padded generate calls in chunks of
+    gen_batch_size, each re-prefilling its whole context."""
+    if _cached_engine(model, proto):
+        return _generate_cached(model, tokenizer, episodes, proto)
     order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].prompt_ids) + len(episodes[i].ids))
     gens = [None] * len(episodes)
     for c in range(0, len(order), proto.gen_batch_size):
@@ -582,6 +590,214 @@ def generate_turn(model, tokenizer, episodes, proto) -> list:
         for i, g in zip(chunk, _generate_chunk(model, tokenizer, contexts, keys, budgets, proto)):
             gens[i] = g
     return gens
+
+
+# --- the cached engine (issue 14): every context token goes through the model once per episode ---
+# Each episode keeps the KV cache of its context (ep._kv: a KVEntry); a turn feeds only what the cache lacks (the
+# previous turn's last token and the observation), identical contexts in a call (a group's prompt) are prefilled
+# once, a branch starts from its parent's cache, and rows leave the decode batch as they finish while waiting rows
+# take their slots (continuous batching). Noise keys are (turn key, position in turn): no token depends on this.
+COUNTS = {"positions": 0, "row_steps": 0, "tokens": 0}  # fed positions (padding included), sampling row-steps,
+# sampled tokens: bench.py's cost measures, summed over both engines since the last reset
+
+
+@dataclass
+class KVEntry:
+    """The KV cache of one token sequence: per layer (keys, values), each (1, H, len(ids), D)."""
+    ids: list
+    kv: list
+
+
+def _cached_engine(model, proto) -> bool:
+    from transformers import PreTrainedModel
+    return proto.engine == "cached" and isinstance(model, PreTrainedModel)
+
+
+def _usable(ep, ctx):
+    """(entry, n): ep's cached entry and how many leading tokens of ctx it covers (at most len(ctx) - 1: the last
+    context token is fed in the first decode step, which gives the first logits)."""
+    entry = getattr(ep, "_kv", None)
+    if entry is None:
+        return None, 0
+    n = min(len(entry.ids), len(ctx) - 1)
+    if entry.ids[:n] != ctx[:n]:
+        same = np.asarray(entry.ids[:n]) == np.asarray(ctx[:n])
+        n = int(same.argmin())
+    return entry, n
+
+
+def _forward(model, ids, mask, pos, layers):
+    """One forward over (b, S) new tokens on top of per-layer (keys, values) (b, H, C, D) (or None) -> (cache, logits
+    of the last position (b, V) float32). Padding: mask 0 (left of the cache, right of the new tokens)."""
+    from transformers import DynamicCache
+    cache = DynamicCache(ddp_cache_data=layers) if layers else DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    COUNTS["positions"] += ids.numel()
+    return cache, out.logits[:, -1].float()
+
+
+def _stack_rows(rows, width):
+    """Per-layer (keys, values) (b, H, width, D) of KVEntry slices (entry, n), left-padded with zeros."""
+    first = rows[0][0].kv
+    layers = []
+    for i in range(len(first)):
+        k0 = first[i][0]
+        ks = k0.new_zeros((len(rows), k0.shape[1], width, k0.shape[3]))
+        vs = torch.zeros_like(ks)
+        for b, (entry, n) in enumerate(rows):
+            if n:
+                ks[b, :, width - n:] = entry.kv[i][0][0, :, :n]
+                vs[b, :, width - n:] = entry.kv[i][1][0, :, :n]
+        layers.append((ks, vs))
+    return layers
+
+
+def _row_entry(cache, b, start, end, ids):
+    return KVEntry(ids, [(layer.keys[b:b + 1, :, start:end].clone(), layer.values[b:b + 1, :, start:end].clone())
+                         for layer in cache.layers])
+
+
+def _prefill(model, episodes, contexts, proto, pad):
+    """Give every episode a KVEntry of its context but the last token: the missing suffix only, rows with the same
+    context computed once, in buckets of similar suffix length (little padding)."""
+    todo = {}
+    for ep, ctx in zip(episodes, contexts):
+        entry, n = _usable(ep, ctx)
+        if n < len(ctx) - 1:
+            todo.setdefault(tuple(ctx[:-1]), []).append((ep, entry, n))
+        else:
+            ep._kv = entry
+    jobs = sorted(todo.items(), key=lambda kv: len(kv[0]) - kv[1][0][2])  # by suffix length
+    bucket = []
+    for job in jobs + [None]:
+        suffix = None if job is None else len(job[0]) - job[1][0][2]
+        if bucket and (job is None or len(bucket) == proto.gen_batch_size or suffix > 1.25 * bucket[0][2] + 8):
+            _prefill_bucket(model, bucket, pad)
+            bucket = []
+        if job is not None:
+            bucket.append((job[0], job[1], suffix))
+
+
+def _prefill_bucket(model, bucket, pad):
+    """One forward: row b = [left pad][its cached n_b][its suffix][right pad]; positions 0.. over the real tokens."""
+    dev = model.device
+    heads = [(eps[0][1], eps[0][2]) for _, eps, _ in bucket]  # (entry, n) of the first episode of each context
+    width, span = max(n for _, n in heads), max(s for _, _, s in bucket)
+    ids = torch.full((len(bucket), span), pad, dtype=torch.long)
+    mask = torch.zeros((len(bucket), width + span), dtype=torch.long)
+    pos = torch.zeros((len(bucket), span), dtype=torch.long)
+    for b, ((ctx, _, s), (_, n)) in enumerate(zip(bucket, heads)):
+        ids[b, :s] = torch.tensor(ctx[n:], dtype=torch.long)
+        mask[b, width - n:width + s] = 1
+        pos[b, :s] = torch.arange(n, n + s)
+    layers = _stack_rows(heads, width) if width else None
+    cache, _ = _forward(model, ids.to(dev), mask.to(dev), pos.to(dev), layers)
+    for b, ((ctx, eps, s), (_, n)) in enumerate(zip(bucket, heads)):
+        entry = _row_entry(cache, b, width - n, width + s, list(ctx))
+        for ep, _, _ in eps:
+            ep._kv = entry  # shared, never written: a later turn makes a new entry
+
+
+@dataclass
+class _Row:
+    """A row of the decode batch: its episode's context, key, budget and what it sampled so far."""
+    i: int
+    ctx: list
+    key: int
+    budget: int
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    entropy: list = field(default_factory=list)
+
+
+def _pad_left(t, width, dim):
+    extra = width - t.shape[dim]
+    if extra == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t.new_zeros(shape), t], dim)
+
+
+def _admit(model, cache, mask, rows, new, episodes):
+    """Join rows `new` (caches of their context but the last token) to the batch: both padded on the left."""
+    parts = [(episodes[r.i]._kv, len(r.ctx) - 1) for r in new]
+    width = max(n for _, n in parts)
+    new_mask = torch.zeros((len(new), width), dtype=torch.long, device=model.device)
+    for b, (_, n) in enumerate(parts):
+        new_mask[b, width - n:] = 1
+    layers = _stack_rows(parts, width)
+    if cache is not None:
+        width = max(width, mask.shape[1])
+        layers = [tuple(torch.cat([_pad_left(old, width, 2), _pad_left(add, width, 2)]) for old, add in
+                       zip((layer.keys, layer.values), kv)) for layer, kv in zip(cache.layers, layers)]
+        new_mask = torch.cat([_pad_left(mask, width, 1), _pad_left(new_mask, width, 1)])
+    from transformers import DynamicCache
+    return DynamicCache(ddp_cache_data=layers), new_mask, rows + new
+
+
+def _row_stop(stopper, row, tok: int):
+    """TurnStopper's rule for one row after it sampled tok: a stop string, EOS, or its budget (that order)."""
+    if stopper._has_gt(tok) and any(s in stopper.tokenizer.decode(row.ids, skip_special_tokens=False)
+                                    for s in STOP_STRINGS):
+        return "stop"
+    if tok in stopper.eos_token_id:
+        return "eos"
+    return "length" if len(row.ids) >= row.budget else None
+
+
+def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
+    """Continuous batching: at most gen_batch_size rows decode together; a row leaves the batch the step it stops
+    (its cache kept as its episode's KVEntry) and a waiting row takes the slot."""
+    proc = KeyedGumbelProcessor(None, 0, proto.temperature, proto.top_k, proto.top_p, proto.fused_sampler)
+    stopper = TurnStopper(tokenizer, 0, [r.budget for r in rows], eos)
+    queue, live, cache, mask, gens = list(rows), [], None, None, [None] * len(episodes)
+    dev = model.device
+    while queue or live:
+        if queue and len(live) < proto.gen_batch_size:
+            new, queue = queue[:proto.gen_batch_size - len(live)], queue[proto.gen_batch_size - len(live):]
+            cache, mask, live = _admit(model, cache, mask, live, new, episodes)
+        last = torch.tensor([r.ids[-1] if r.ids else r.ctx[-1] for r in live], device=dev)
+        steps = torch.tensor([len(r.ids) for r in live], device=dev)
+        pos = torch.tensor([len(r.ctx) - 1 + len(r.ids) for r in live], device=dev)
+        mask = torch.cat([mask, mask.new_ones((len(live), 1))], 1)
+        out = model(input_ids=last[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        COUNTS["positions"] += len(live)
+        COUNTS["row_steps"] += len(live)
+        COUNTS["tokens"] += len(live)
+        keys = torch.tensor([_signed(r.key) for r in live], device=dev)
+        token, logprob, entropy = proc._draw(out.logits[:, -1].float(), keys, steps)
+        keep = []
+        for b, (r, tok, lp, ent) in enumerate(zip(live, token.tolist(), logprob.tolist(), entropy.tolist())):
+            r.ids.append(tok)
+            r.logprobs.append(lp)
+            r.entropy.append(ent)
+            stop = _row_stop(stopper, r, tok)
+            if stop is None:
+                keep.append(b)
+                continue
+            n = len(r.ctx) + len(r.ids) - 1  # cached: the context and every sampled token but the last
+            episodes[r.i]._kv = _row_entry(cache, b, mask.shape[1] - n, mask.shape[1], r.ctx + r.ids[:-1])
+            gens[r.i] = Generation(r.ids, r.logprobs, r.entropy, stop, r.key)
+        if len(keep) < len(live):
+            idx = torch.tensor(keep, dtype=torch.long, device=dev)
+            cache.batch_select_indices(idx)
+            mask, live = mask[idx], [live[b] for b in keep]
+    return gens
+
+
+def _generate_cached(model, tokenizer, episodes, proto) -> list:
+    """generate_turn with the cached engine (same tokens as _generate_chunk: keyed noise, same stop rule)."""
+    eos, pad = _special_ids(model, tokenizer)
+    contexts = [ep.prompt_ids + ep.ids for ep in episodes]
+    order = sorted(range(len(episodes)), key=lambda i: len(contexts[i]))  # similar cache widths decode together
+    rows = [_Row(i, contexts[i], episodes[i].key_for(len(episodes[i].turns)),
+                 min(proto.max_new_tokens, proto.max_context - len(contexts[i]))) for i in order]
+    assert min(r.budget for r in rows) > 0, "an episode without room for a token should have ended"
+    with torch.no_grad():
+        _prefill(model, episodes, contexts, proto, pad)
+        return _decode(model, tokenizer, episodes, rows, proto, eos)
 
 
 def _format_docs(docs) -> str:
@@ -685,6 +901,7 @@ def branch(ep, turn: int, include_turn=False, key_overrides=None, fresh_seed=Non
                   prompt_ids=ep.prompt_ids, ids=ep.ids[:cut], mask=ep.mask[:cut], turns=list(ep.turns[:start]),
                   key_overrides=overrides, fresh_seed=ep.fresh_seed if fresh_seed is None else fresh_seed,
                   fresh_from=ep.fresh_from if fresh_seed is None else start, branch_turn=turn)
+    new._kv = getattr(ep, "_kv", None)  # the cached engine starts the branch from its parent's cache
     if include_turn and start == len(ep.turns) and ep.done:  # the turn ended the episode: nothing left to sample
         new.answer, new.reward, new.done = ep.answer, ep.reward, True
     return new
