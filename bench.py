@@ -206,7 +206,7 @@ def qwen_tokenizer():
     return tok
 
 
-def gpu_steps(shape: str, preset: str, steps: int, overrides: list) -> dict:
+def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str) -> dict:
     """`steps` TWICE steps of train_twice with a random `shape` model at `preset`'s settings and the tiny world's
     questions and retriever; returns per-phase seconds, generated tokens per second and peak GPU memory."""
     import eval as qa_eval
@@ -215,7 +215,6 @@ def gpu_steps(shape: str, preset: str, steps: int, overrides: list) -> dict:
     tok = qwen_tokenizer()
     config = Qwen2Config(vocab_size=151_936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6,
                          **SHAPES[shape])
-    world = os.path.join(ROOT, "data/tinyworld")
     cfg = tt.parse_config([os.path.join(ROOT, "configs", preset), f"--world={world}", "--model=random",
                            "--train_data=", "--eval_data=", "--retriever_url=", "--index=", "--log_tensorboard=false",
                            "--out_dir=" + tempfile.mkdtemp(prefix="bench-gpu-"), *overrides])
@@ -250,9 +249,15 @@ def cmd_gpu(args):
     if args.tiny:
         return [gpu_steps("tiny", "qwen2.5-3b.cfg", args.steps, ["--prompts_per_step=2", "--group_size=2",
                 "--max_new_tokens=8", "--max_turns=1", "--micro_batch_size=2", "--bf16=false", "--max_context=512",
-                "--gradient_checkpointing=false", "--mini_batches=1"])]
-    return [gpu_steps(shape, preset, args.steps, per_gpu(preset))
-            for shape, preset in (("3b", "qwen2.5-3b.cfg"), ("7b", "qwen2.5-7b.cfg"))]
+                "--gradient_checkpointing=false", "--mini_batches=1"], args.world)]
+    out = []
+    for shape, preset in (("3b", "qwen2.5-3b.cfg"), ("7b", "qwen2.5-7b.cfg")):
+        try:
+            out.append(gpu_steps(shape, preset, args.steps, per_gpu(preset), args.world))
+        except torch.cuda.OutOfMemoryError as e:  # 7B: fp32 weights + grads + AdamW ~112 GB without ZeRO
+            print(f"{shape}: out of GPU memory on one device ({e}); the preset shards it with ZeRO-2 over 8 GPUs")
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
 
 
 def main(argv=None):
@@ -266,6 +271,7 @@ def main(argv=None):
     cpu.add_argument("--rounds", type=int, default=2, help="old/new runs of each")
     gpu = sub.add_parser("gpu", help="3B- and 7B-shaped random models, 3 TWICE steps each (bf16)")
     gpu.add_argument("--steps", type=int, default=3)
+    gpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"), help="questions and retriever")
     gpu.add_argument("--tiny", action="store_true", help="a tiny model with the real vocabulary, CPU-sized batch")
     args = parser.parse_args(argv)
     if args.cmd == "cpu":
