@@ -32,12 +32,17 @@ def _reset():
 
 
 def minimum_positions(episodes, twins) -> int:
-    """Each token through the model once: every distinct prompt, every episode's response, every twin's tokens
-    after its branch point."""
-    prompts = {tuple(ep.prompt_ids) for ep in episodes}
-    cut = lambda r: r.twin.turns[r.turn].start  # noqa: E731  s_t: shared with the factual episode
-    return (sum(map(len, prompts)) + sum(len(ep.ids) for ep in episodes) +
-            sum(len(r.twin.ids) - cut(r) for r in twins if r.kind == "rollout"))
+    """Each distinct position through the model once: the nodes of the trie of every sequence (factual episodes and
+    rolled-out twins, prompt + response), so shared prompts, twin prefixes and identical lines count once."""
+    root, nodes = {}, 0
+    for seq in [ep.prompt_ids + ep.ids for ep in episodes] + [r.twin.prompt_ids + r.twin.ids for r in twins]:
+        node = root
+        for tok in seq:
+            if tok not in node:
+                node[tok] = {}
+                nodes += 1
+            node = node[tok]
+    return nodes
 
 
 def demo_rollout_cost(engine: str, world: str, prompts=16, group=5) -> dict:
@@ -142,10 +147,25 @@ def cmd_cpu(args):
     with open(os.path.join(world, "test.jsonl")) as f, open(one_eval, "w") as g:
         g.write(f.readline())
     runs = {"old": [], "new": []}
-    for r in range(args.rounds):  # interleaved, order alternating: load changes hit both
+    for r in range(args.rounds if "demo" in args.parts else 0):  # interleaved, order alternating: load changes hit both
         for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
             out = os.path.join(tree, f"run-{name}-{r}")
             runs[name].append(demo_steps(tree if name == "old" else ROOT, out, args.steps, world, one_eval))
+    if "demo" in args.parts:
+        demo_report(runs, args)
+    if "rollout" in args.parts:
+        rollout_report(world)
+    if "realistic" in args.parts:
+        rg, rc = realistic_decode("generate"), realistic_decode("cached")
+        print(f"realistic turn lengths (median {rg['median_len']}, max {rg['max_len']}, 64 rows): finished-row "
+              f"share generate {rg['finished_share']:.3f} cached {rc['finished_share']:.3f} | time generate "
+              f"{rg['s']:.2f}s cached {rc['s']:.2f}s | same tokens {rg['ids'] == rc['ids']}")
+    for mode in (("chunked", "full") if "memory" in args.parts else ()):
+        m = logprob_memory(mode)
+        print(f"token_logprobs B=2 L=1024 V=151936 {mode}: extra peak {m['extra_gb']:.3f} GB (sum {m['lp_sum']:.6f})")
+
+
+def demo_report(runs, args):
     med = lambda name, key: statistics.median(m[key] for run in runs[name] for m in run[1:])  # noqa: E731
     for key in ("time", "time_rollout", "time_twins", "time_update"):
         print(f"demo {key:13s} old {med('old', key):7.2f}s  new {med('new', key):7.2f}s  "
@@ -158,6 +178,9 @@ def cmd_cpu(args):
               f" | loss {a['loss']:.6g}/{b['loss']:.6g}")
     print("demo results identical (old/new):", all(a[k] == b[k] for a, b in zip(runs["old"][0], runs["new"][0])
                                                   for k in same))
+
+
+def rollout_report(world):
     costs = {}
     for r in range(2):
         for engine in (("generate", "cached") if r == 0 else ("cached", "generate")):
@@ -169,13 +192,6 @@ def cmd_cpu(args):
           f"{statistics.median(x['s'] for x in costs['generate']):.2f}s cached "
           f"{statistics.median(x['s'] for x in costs['cached']):.2f}s | same tokens {g['ids'] == c['ids']} "
           f"same twins {g['twins'] == c['twins']}")
-    rg, rc = realistic_decode("generate"), realistic_decode("cached")
-    print(f"realistic turn lengths (median {rg['median_len']}, max {rg['max_len']}, 64 rows): finished-row share "
-          f"generate {rg['finished_share']:.3f} cached {rc['finished_share']:.3f} | time generate {rg['s']:.2f}s "
-          f"cached {rc['s']:.2f}s | same tokens {rg['ids'] == rc['ids']}")
-    for mode in ("chunked", "full"):
-        m = logprob_memory(mode)
-        print(f"token_logprobs B=2 L=1024 V=151936 {mode}: extra peak {m['extra_gb']:.3f} GB (sum {m['lp_sum']:.6f})")
 
 
 # --- GPU: random Qwen2.5-3B / 7B shapes, 3 TWICE steps ---
@@ -269,6 +285,7 @@ def main(argv=None):
     cpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"))
     cpu.add_argument("--steps", type=int, default=3, help="demo steps per run (the first is not timed)")
     cpu.add_argument("--rounds", type=int, default=2, help="old/new runs of each")
+    cpu.add_argument("--parts", default="demo,rollout,realistic,memory", help="comma-separated subset to run")
     gpu = sub.add_parser("gpu", help="3B- and 7B-shaped random models, 3 TWICE steps each (bf16)")
     gpu.add_argument("--steps", type=int, default=3)
     gpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"), help="questions and retriever")

@@ -50,6 +50,8 @@ def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=F
     sel = positions.bool().flatten().nonzero().squeeze(1)  # (N,) flat indices into (B, L-1)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)  # (N, H)
     targets = input_ids[:, 1:].reshape(-1).index_select(0, sel)
+    # DEVIATION P4: the head runs outside the wrapper's forward (its weight gets both uses' gradients in one
+    # backward): right for DDP and ZeRO-2, not for ZeRO-3 / FSDP, which shard the head's weight.
     head = _unwrap(model).get_output_embeddings()
     step = max(1, chunk_elements // head.weight.shape[0])
     lps, ents = [], []

@@ -748,7 +748,8 @@ def _row_stop(stopper, row, tok: int):
 
 def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
     """Continuous batching: at most gen_batch_size rows decode together; a row leaves the batch the step it stops
-    (its cache kept as its episode's KVEntry) and a waiting row takes the slot."""
+    (its cache kept as its episode's KVEntry) and a waiting row takes the slot.
+    DEVIATION P5: slots refill within one turn's call only; turns stay a barrier (retrieval is batched per turn)."""
     proc = KeyedGumbelProcessor(None, 0, proto.temperature, proto.top_k, proto.top_p, proto.fused_sampler)
     stopper = TurnStopper(tokenizer, 0, [r.budget for r in rows], eos)
     queue, live, cache, mask, gens = list(rows), [], None, None, [None] * len(episodes)
@@ -767,6 +768,8 @@ def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
         COUNTS["row_steps"] += len(live)
         COUNTS["tokens"] += len(live)
         keys = torch.tensor([_signed(r.key) for r in live], device=dev)
+        # DEVIATION P1: the logits come from cached keys/values, not a full re-prefill: equal up to float rounding,
+        # so a draw at an exact near-tie (|gap| ~ 1e-6) could differ from the generate path; none did in tests/bench.
         token, logprob, entropy = proc._draw(out.logits[:, -1].float(), keys, steps)
         keep = []
         for b, (r, tok, lp, ent) in enumerate(zip(live, token.tolist(), logprob.tolist(), entropy.tolist())):
@@ -778,6 +781,8 @@ def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
                 keep.append(b)
                 continue
             n = len(r.ctx) + len(r.ids) - 1  # cached: the context and every sampled token but the last
+            # DEVIATION P3: the entry lives as long as the episode object (twins need it after the rollout); at
+            # 3B it is ~36 KB per token in bf16, no offload to the host.
             episodes[r.i]._kv = _row_entry(cache, b, mask.shape[1] - n, mask.shape[1], r.ctx + r.ids[:-1])
             gens[r.i] = Generation(r.ids, r.logprobs, r.entropy, stop, r.key)
         if len(keep) < len(live):

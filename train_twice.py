@@ -187,7 +187,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=F
 
 @torch.no_grad()
 def batch_logprobs(model, batch, cfg, with_entropy=False):
-    """(log-probs, entropy or None) at the loss-masked positions of a whole batch (0 elsewhere), without gradients
+    """(log-probs, entropy or None) at the loss-masked positions of a batch (0 elsewhere: DEVIATION P2), no grads
     (old policy, reference); micro-batches of similar lengths, each cut to its longest row."""
     n = batch["input_ids"].shape[0]
     lp = torch.zeros(n, batch["input_ids"].shape[1] - 1, device=batch["input_ids"].device)
