@@ -12,7 +12,6 @@
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -105,19 +104,20 @@ m = Qwen2ForCausalLM(Qwen2Config(vocab_size={vocab}, hidden_size=64, intermediat
                                  num_attention_heads=2, num_key_value_heads=1)).eval()
 x = torch.randint(0, {vocab}, ({batch}, {length})); am = torch.ones_like(x)
 with torch.no_grad():
-    m.model(input_ids=x[:, :8])  # warm-up
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if {mode!r} == "chunked":
+    if {mode!r} == "body":  # what every mode needs: the transformer body over (B, L)
+        lp = m.model(input_ids=x, attention_mask=am).last_hidden_state
+    elif {mode!r} == "chunked":
         lp, ent = logprobs.token_logprobs(m, x, am, 1.0, True)
     else:  # the full computation of the previous commit
         logits = m(input_ids=x, attention_mask=am).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1)
         lp, ent = logp.gather(-1, x[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({{"extra_gb": (after - before) / 2**20, "lp_sum": float(lp.double().sum())}}))
+print(json.dumps({{"peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "lp_sum": float(lp.double().sum())}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    run = lambda m: json.loads(subprocess.run([sys.executable, "-c", code.replace(repr(mode), repr(m))],  # noqa
+                                              capture_output=True, text=True, env=_env(), check=True).stdout.splitlines()[-1])
+    out, base = run(mode), run("body")
+    return {"extra_gb": (out["peak_kb"] - base["peak_kb"]) / 2**20, "lp_sum": out["lp_sum"]}
 
 
 # --- demo steps: the old tree (git archive of `base`) and this tree, as separate processes ---
@@ -147,7 +147,7 @@ def cmd_cpu(args):
     with open(os.path.join(world, "test.jsonl")) as f, open(one_eval, "w") as g:
         g.write(f.readline())
     runs = {"old": [], "new": []}
-    for r in range(args.rounds if "demo" in args.parts else 0):  # interleaved, order alternating: load changes hit both
+    for r in range(args.rounds if "demo" in args.parts else 0):  # interleaved, alternating: load hits both
         for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
             out = os.path.join(tree, f"run-{name}-{r}")
             runs[name].append(demo_steps(tree if name == "old" else ROOT, out, args.steps, world, one_eval))
