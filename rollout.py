@@ -667,6 +667,7 @@ def _prefill(model, episodes, contexts, proto, pad):
             todo.setdefault(tuple(ctx[:-1]), []).append((ep, entry, n))
         else:
             ep._kv = entry
+    _shared_head(model, todo, pad)
     jobs = sorted(todo.items(), key=lambda kv: len(kv[0]) - kv[1][0][2])  # by suffix length
     bucket = []
     for job in jobs + [None]:
@@ -676,6 +677,25 @@ def _prefill(model, episodes, contexts, proto, pad):
             bucket = []
         if job is not None:
             bucket.append((job[0], job[1], suffix))
+
+
+def _shared_head(model, todo, pad, least=16):
+    """Fresh contexts (no cache yet: different questions behind one instruction) share their longest common prefix:
+    computed once, it becomes their starting cache."""
+    fresh = [ctx for ctx, eps in todo.items() if eps[0][1] is None]
+    if len(fresh) < 2:
+        return
+    lcp = min(len(c) for c in fresh)
+    first = fresh[0]
+    for ctx in fresh[1:]:
+        lcp = next((k for k in range(lcp) if ctx[k] != first[k]), lcp)
+    lcp = min(lcp, min(len(c) for c in fresh) - 1)  # every context keeps a suffix of its own
+    if lcp < least:
+        return
+    holder = argparse.Namespace(_kv=None)
+    _prefill_bucket(model, [(first[:lcp], [(holder, None, 0)], lcp)], pad)
+    for ctx in fresh:
+        todo[ctx] = [(ep, holder._kv, lcp) for ep, _, _ in todo[ctx]]
 
 
 def _prefill_bucket(model, bucket, pad):
@@ -708,6 +728,7 @@ class _Row:
     ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     entropy: list = field(default_factory=list)
+    p: int = 0              # its physical row in the decode batch (_Batch)
 
 
 def _pad_left(t, width, dim):
@@ -719,21 +740,20 @@ def _pad_left(t, width, dim):
     return torch.cat([t.new_zeros(shape), t], dim)
 
 
-def _admit(model, cache, mask, rows, new, episodes):
-    """Join rows `new` (caches of their context but the last token) to the batch: both padded on the left."""
-    parts = [(episodes[r.i]._kv, len(r.ctx) - 1) for r in new]
+def _admit(model, cache, mask, parts):
+    """Join new physical rows, parts = (KVEntry, n) caching n tokens, to the batch: both padded on the left."""
     width = max(n for _, n in parts)
-    new_mask = torch.zeros((len(new), width), dtype=torch.long, device=model.device)
+    new_mask = torch.zeros((len(parts), width), dtype=torch.long, device=model.device)
     for b, (_, n) in enumerate(parts):
         new_mask[b, width - n:] = 1
     layers = _stack_rows(parts, width)
     if cache is not None:
         width = max(width, mask.shape[1])
         layers = [tuple(torch.cat([_pad_left(old, width, 2), _pad_left(add, width, 2)]) for old, add in
-                       zip((layer.keys, layer.values), kv)) for layer, kv in zip(cache.layers, layers)]
+                        zip((layer.keys, layer.values), kv)) for layer, kv in zip(cache.layers, layers)]
         new_mask = torch.cat([_pad_left(mask, width, 1), _pad_left(new_mask, width, 1)])
     from transformers import DynamicCache
-    return DynamicCache(ddp_cache_data=layers), new_mask, rows + new
+    return DynamicCache(ddp_cache_data=layers), new_mask
 
 
 def _row_stop(stopper, row, tok: int):
@@ -746,49 +766,98 @@ def _row_stop(stopper, row, tok: int):
     return "length" if len(row.ids) >= row.budget else None
 
 
+class _Batch:
+    """The physical decode batch: one cache row per distinct sequence. Logical rows (episodes) with the same context
+    and the same tokens so far share a physical row (a group's identical lines, twins of identical states) and fork
+    when their keyed draws differ, so each distinct position goes through the model once."""
+
+    def __init__(self):
+        self.cache = self.mask = None
+        self.tok, self.pos = [], []  # per physical row: the token to feed next and its position
+
+    def admit(self, model, episodes, new):
+        """Physical rows for waiting rows, one per distinct context; each feeds its context's last token first."""
+        firsts, parts = {}, []
+        for r in new:
+            ctx = tuple(r.ctx)
+            if ctx not in firsts:
+                firsts[ctx] = len(self.tok)
+                self.tok.append(r.ctx[-1])
+                self.pos.append(len(r.ctx) - 1)
+                parts.append((episodes[r.i]._kv, len(r.ctx) - 1))
+            r.p = firsts[ctx]
+        self.cache, self.mask = _admit(model, self.cache, self.mask, parts)
+
+    def forward(self, model):
+        """(P, V) float32 logits of every physical row's next position."""
+        dev = model.device
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.tok), 1))], 1)
+        out = model(input_ids=torch.tensor(self.tok, device=dev)[:, None], attention_mask=self.mask,
+                    position_ids=torch.tensor(self.pos, device=dev)[:, None], cache=self.cache, use_cache=True,
+                    logits_to_keep=1)
+        COUNTS["positions"] += len(self.tok)
+        return out.logits[:, -1].float()
+
+    def regroup(self, live):
+        """Physical rows for the rows still decoding: one per (parent row, sampled token); forks copy the parent."""
+        rows, src, tok, pos = {}, [], [], []
+        for r in live:
+            key = (r.p, r.ids[-1])
+            if key not in rows:
+                rows[key] = len(src)
+                src.append(r.p)
+                tok.append(r.ids[-1])
+                pos.append(self.pos[r.p] + 1)
+            r.p = rows[key]
+        if not src:  # nothing left: the next admission starts a new cache
+            self.cache = self.mask = None
+        elif src != list(range(len(self.tok))):
+            idx = torch.tensor(src, dtype=torch.long, device=self.mask.device)
+            self.cache.batch_select_indices(idx)
+            self.mask = self.mask[idx]
+        self.tok, self.pos = tok, pos
+
+
 def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
     """Continuous batching: at most gen_batch_size rows decode together; a row leaves the batch the step it stops
-    (its cache kept as its episode's KVEntry) and a waiting row takes the slot.
+    (its cache kept as its episode's KVEntry) and a waiting row takes the slot. Rows with identical sequences share
+    one physical row (_Batch).
     DEVIATION P5: slots refill within one turn's call only; turns stay a barrier (retrieval is batched per turn)."""
     proc = KeyedGumbelProcessor(None, 0, proto.temperature, proto.top_k, proto.top_p, proto.fused_sampler)
     stopper = TurnStopper(tokenizer, 0, [r.budget for r in rows], eos)
-    queue, live, cache, mask, gens = list(rows), [], None, None, [None] * len(episodes)
+    queue, live, batch, gens = list(rows), [], _Batch(), [None] * len(episodes)
     dev = model.device
     while queue or live:
         if queue and len(live) < proto.gen_batch_size:
             new, queue = queue[:proto.gen_batch_size - len(live)], queue[proto.gen_batch_size - len(live):]
-            cache, mask, live = _admit(model, cache, mask, live, new, episodes)
-        last = torch.tensor([r.ids[-1] if r.ids else r.ctx[-1] for r in live], device=dev)
-        steps = torch.tensor([len(r.ids) for r in live], device=dev)
-        pos = torch.tensor([len(r.ctx) - 1 + len(r.ids) for r in live], device=dev)
-        mask = torch.cat([mask, mask.new_ones((len(live), 1))], 1)
-        out = model(input_ids=last[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache,
-                    use_cache=True, logits_to_keep=1)
-        COUNTS["positions"] += len(live)
+            batch.admit(model, episodes, new)
+            live += new
+        logits = batch.forward(model)  # (P, V)
         COUNTS["row_steps"] += len(live)
         COUNTS["tokens"] += len(live)
         keys = torch.tensor([_signed(r.key) for r in live], device=dev)
+        steps = torch.tensor([len(r.ids) for r in live], device=dev)
+        phys = torch.tensor([r.p for r in live], device=dev)
         # DEVIATION P1: the logits come from cached keys/values, not a full re-prefill: equal up to float rounding,
         # so a draw at an exact near-tie (|gap| ~ 1e-6) could differ from the generate path; none did in tests/bench.
-        token, logprob, entropy = proc._draw(out.logits[:, -1].float(), keys, steps)
+        token, logprob, entropy = proc._draw(logits.index_select(0, phys), keys, steps)
         keep = []
-        for b, (r, tok, lp, ent) in enumerate(zip(live, token.tolist(), logprob.tolist(), entropy.tolist())):
+        for r, tok, lp, ent in zip(live, token.tolist(), logprob.tolist(), entropy.tolist()):
             r.ids.append(tok)
             r.logprobs.append(lp)
             r.entropy.append(ent)
             stop = _row_stop(stopper, r, tok)
             if stop is None:
-                keep.append(b)
+                keep.append(r)
                 continue
             n = len(r.ctx) + len(r.ids) - 1  # cached: the context and every sampled token but the last
+            width = batch.mask.shape[1]
             # DEVIATION P3: the entry lives as long as the episode object (twins need it after the rollout); at
             # 3B it is ~36 KB per token in bf16, no offload to the host.
-            episodes[r.i]._kv = _row_entry(cache, b, mask.shape[1] - n, mask.shape[1], r.ctx + r.ids[:-1])
+            episodes[r.i]._kv = _row_entry(batch.cache, r.p, width - n, width, r.ctx + r.ids[:-1])
             gens[r.i] = Generation(r.ids, r.logprobs, r.entropy, stop, r.key)
-        if len(keep) < len(live):
-            idx = torch.tensor(keep, dtype=torch.long, device=dev)
-            cache.batch_select_indices(idx)
-            mask, live = mask[idx], [live[b] for b in keep]
+        live = keep
+        batch.regroup(live)
     return gens
 
 
