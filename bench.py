@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # --- rollout cost: positions the model runs, and decode row-steps of finished rows ---
 def _reset():
     import rollout
-    rollout.COUNTS.update(positions=0, row_steps=0, tokens=0)
+    rollout.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
     return rollout
 
 
@@ -60,6 +60,7 @@ def demo_rollout_cost(engine: str, world: str, prompts=16, group=5) -> dict:
     c = dict(rollout.COUNTS)
     return {"engine": engine, "s": time.perf_counter() - t0, "positions": c["positions"], "tokens": c["tokens"],
             "per_token": c["positions"] / c["tokens"], "minimum": minimum_positions(eps, twins) / c["tokens"],
+            "head_only": c["head_only"] / c["tokens"], "padding": c["padding"] / c["tokens"],
             "finished_share": 1 - c["tokens"] / c["row_steps"],
             "ids": [ep.ids for ep in eps], "twins": [(r.kind, r.outcome, r.twin.ids) for r in twins]}
 
@@ -112,10 +113,14 @@ with torch.no_grad():
         logits = m(input_ids=x, attention_mask=am).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1)
         lp, ent = logp.gather(-1, x[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
-print(json.dumps({{"peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "lp_sum": float(lp.double().sum())}}))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({{"peak_kb": peak, "lp_sum": float(lp.double().sum())}}))
 """
-    run = lambda m: json.loads(subprocess.run([sys.executable, "-c", code.replace(repr(mode), repr(m))],  # noqa
-                                              capture_output=True, text=True, env=_env(), check=True).stdout.splitlines()[-1])
+
+    def run(m):
+        out = subprocess.run([sys.executable, "-c", code.replace(repr(mode), repr(m))], capture_output=True,
+                             text=True, env=_env(), check=True)
+        return json.loads(out.stdout.splitlines()[-1])
     out, base = run(mode), run("body")
     return {"extra_gb": (out["peak_kb"] - base["peak_kb"]) / 2**20, "lp_sum": out["lp_sum"]}
 
@@ -187,7 +192,8 @@ def rollout_report(world):
             costs.setdefault(engine, []).append(demo_rollout_cost(engine, world))
     g, c = costs["generate"][0], costs["cached"][0]
     print(f"demo rollout+twins: positions/generated token generate {g['per_token']:.2f} cached {c['per_token']:.2f}"
-          f" minimum {c['minimum']:.2f} (cached/minimum {c['per_token'] / c['minimum']:.3f}) | finished-row share "
+          f" (padding {c['padding']:.2f}; LM-head-only {c['head_only']:.2f}) minimum {c['minimum']:.2f} "
+          f"(cached/minimum {c['per_token'] / c['minimum']:.3f}) | finished-row share "
           f"generate {g['finished_share']:.3f} cached {c['finished_share']:.3f} | time generate "
           f"{statistics.median(x['s'] for x in costs['generate']):.2f}s cached "
           f"{statistics.median(x['s'] for x in costs['cached']):.2f}s | same tokens {g['ids'] == c['ids']} "

@@ -597,15 +597,19 @@ def generate_turn(model, tokenizer, episodes, proto) -> list:
 # previous turn's last token and the observation), identical contexts in a call (a group's prompt) are prefilled
 # once, a branch starts from its parent's cache, and rows leave the decode batch as they finish while waiting rows
 # take their slots (continuous batching). Noise keys are (turn key, position in turn): no token depends on this.
-COUNTS = {"positions": 0, "row_steps": 0, "tokens": 0}  # fed positions (padding included), sampling row-steps,
-# sampled tokens: bench.py's cost measures, summed over both engines since the last reset
+# bench.py's cost measures, summed over both engines since the last reset: body positions (padding included), of
+# which padding; sampling row-steps; sampled tokens; LM-head-only positions (rows repeating a cache's own tokens)
+COUNTS = {"positions": 0, "padding": 0, "row_steps": 0, "tokens": 0, "head_only": 0}
 
 
 @dataclass
 class KVEntry:
-    """The KV cache of one token sequence: per layer (keys, values), each (1, H, len(ids), D)."""
+    """The KV cache of one token sequence: per layer (keys, values), each (1, H, len(ids), D), and the final hidden
+    state (the LM head's input) at each position, (len(ids), hidden): a row that samples this sequence's own tokens
+    again (a self-twin, a twin's shared first tokens) reads its logits off it without running the model."""
     ids: list
     kv: list
+    hidden: object
 
 
 def _cached_engine(model, proto) -> bool:
@@ -626,19 +630,22 @@ def _usable(ep, ctx):
     return entry, n
 
 
-def _forward(model, ids, mask, pos, layers):
-    """One forward over (b, S) new tokens on top of per-layer (keys, values) (b, H, C, D) (or None) -> (cache, logits
-    of the last position (b, V) float32). Padding: mask 0 (left of the cache, right of the new tokens)."""
-    from transformers import DynamicCache
-    cache = DynamicCache(ddp_cache_data=layers) if layers else DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+def _forward(model, ids, mask, pos, cache):
+    """The body over (b, S) new tokens on top of `cache` (updated in place) -> final hidden states (b, S, hidden).
+    Padding: mask 0 (left of the cache, right of the new tokens)."""
+    out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
     COUNTS["positions"] += ids.numel()
-    return cache, out.logits[:, -1].float()
+    return out.last_hidden_state
+
+
+def _logits(model, hidden):
+    """(n, V) float32 logits of (n, hidden) final hidden states: the model's own LM head, as its forward applies it."""
+    return model.get_output_embeddings()(hidden).float()
 
 
 def _stack_rows(rows, width):
     """Per-layer (keys, values) (b, H, width, D) of KVEntry slices (entry, n), left-padded with zeros."""
-    first = rows[0][0].kv
+    first = next(entry for entry, n in rows if n).kv  # width > 0: some row has a cache
     layers = []
     for i in range(len(first)):
         k0 = first[i][0]
@@ -652,9 +659,19 @@ def _stack_rows(rows, width):
     return layers
 
 
-def _row_entry(cache, b, start, end, ids):
+def _row_entry(cache, hidden, b, start, end, ids):
     return KVEntry(ids, [(layer.keys[b:b + 1, :, start:end].clone(), layer.values[b:b + 1, :, start:end].clone())
-                         for layer in cache.layers])
+                         for layer in cache.layers], hidden[b, start:end].clone())
+
+
+def _stack_hidden(rows, width):
+    """(b, width, hidden) of KVEntry hidden states (entry, n), left-padded with zeros."""
+    h0 = next(entry for entry, n in rows if n).hidden
+    out = h0.new_zeros((len(rows), width, h0.shape[-1]))
+    for b, (entry, n) in enumerate(rows):
+        if n:
+            out[b, width - n:] = entry.hidden[:n]
+    return out
 
 
 def _prefill(model, episodes, contexts, proto, pad):
@@ -710,10 +727,14 @@ def _prefill_bucket(model, bucket, pad):
         ids[b, :s] = torch.tensor(ctx[n:], dtype=torch.long)
         mask[b, width - n:width + s] = 1
         pos[b, :s] = torch.arange(n, n + s)
-    layers = _stack_rows(heads, width) if width else None
-    cache, _ = _forward(model, ids.to(dev), mask.to(dev), pos.to(dev), layers)
+    from transformers import DynamicCache
+    cache = DynamicCache(ddp_cache_data=_stack_rows(heads, width)) if width else DynamicCache()
+    hidden = _forward(model, ids.to(dev), mask.to(dev), pos.to(dev), cache)  # (b, span, hidden)
+    COUNTS["padding"] += len(bucket) * span - sum(s for _, _, s in bucket)
+    if width:
+        hidden = torch.cat([_stack_hidden(heads, width), hidden], 1)
     for b, ((ctx, eps, s), (_, n)) in enumerate(zip(bucket, heads)):
-        entry = _row_entry(cache, b, width - n, width + s, list(ctx))
+        entry = _row_entry(cache, hidden, b, width - n, width + s, list(ctx))
         for ep, _, _ in eps:
             ep._kv = entry  # shared, never written: a later turn makes a new entry
 
@@ -729,6 +750,8 @@ class _Row:
     logprobs: list = field(default_factory=list)
     entropy: list = field(default_factory=list)
     p: int = 0              # its physical row in the decode batch (_Batch)
+    track: tuple | None = None  # (KVEntry, m): its sequence is the entry's first m tokens (no physical row)
+    q: int = 0              # its row among the tracking logits
 
 
 def _pad_left(t, width, dim):
@@ -740,20 +763,21 @@ def _pad_left(t, width, dim):
     return torch.cat([t.new_zeros(shape), t], dim)
 
 
-def _admit(model, cache, mask, parts):
+def _admit(model, batch, parts):
     """Join new physical rows, parts = (KVEntry, n) caching n tokens, to the batch: both padded on the left."""
     width = max(n for _, n in parts)
-    new_mask = torch.zeros((len(parts), width), dtype=torch.long, device=model.device)
+    mask = torch.zeros((len(parts), width), dtype=torch.long, device=model.device)
     for b, (_, n) in enumerate(parts):
-        new_mask[b, width - n:] = 1
-    layers = _stack_rows(parts, width)
-    if cache is not None:
-        width = max(width, mask.shape[1])
+        mask[b, width - n:] = 1
+    layers, hidden = _stack_rows(parts, width), _stack_hidden(parts, width)
+    if batch.cache is not None:
+        width = max(width, batch.mask.shape[1])
         layers = [tuple(torch.cat([_pad_left(old, width, 2), _pad_left(add, width, 2)]) for old, add in
-                        zip((layer.keys, layer.values), kv)) for layer, kv in zip(cache.layers, layers)]
-        new_mask = torch.cat([_pad_left(mask, width, 1), _pad_left(new_mask, width, 1)])
+                        zip((layer.keys, layer.values), kv)) for layer, kv in zip(batch.cache.layers, layers)]
+        mask = torch.cat([_pad_left(batch.mask, width, 1), _pad_left(mask, width, 1)])
+        hidden = torch.cat([_pad_left(batch.hid, width, 1), _pad_left(hidden, width, 1)])
     from transformers import DynamicCache
-    return DynamicCache(ddp_cache_data=layers), new_mask
+    batch.cache, batch.mask, batch.hid = DynamicCache(ddp_cache_data=layers), mask, hidden
 
 
 def _row_stop(stopper, row, tok: int):
@@ -769,37 +793,39 @@ def _row_stop(stopper, row, tok: int):
 class _Batch:
     """The physical decode batch: one cache row per distinct sequence. Logical rows (episodes) with the same context
     and the same tokens so far share a physical row (a group's identical lines, twins of identical states) and fork
-    when their keyed draws differ, so each distinct position goes through the model once."""
+    when their keyed draws differ, so each distinct position goes through the model once. hid (P, W, hidden): the
+    final hidden state at every cached position (what a finished row's KVEntry keeps)."""
 
     def __init__(self):
-        self.cache = self.mask = None
-        self.tok, self.pos = [], []  # per physical row: the token to feed next and its position
+        self.cache = self.mask = self.hid = None
+        self.tok, self.pos, self.seen = [], [], {}  # per physical row: next token, its position; dedup keys
 
-    def admit(self, model, episodes, new):
-        """Physical rows for waiting rows, one per distinct context; each feeds its context's last token first."""
-        firsts, parts = {}, []
-        for r in new:
-            ctx = tuple(r.ctx)
-            if ctx not in firsts:
-                firsts[ctx] = len(self.tok)
-                self.tok.append(r.ctx[-1])
-                self.pos.append(len(r.ctx) - 1)
-                parts.append((episodes[r.i]._kv, len(r.ctx) - 1))
-            r.p = firsts[ctx]
-        self.cache, self.mask = _admit(model, self.cache, self.mask, parts)
+    def add(self, model, rows):
+        """Physical rows for rows = [(row, dedup key, KVEntry, n cached, next token)], one per distinct key."""
+        parts = []
+        for r, key, entry, n, tok in rows:
+            if key not in self.seen:
+                self.seen[key] = len(self.tok)
+                self.tok.append(tok)
+                self.pos.append(n)
+                parts.append((entry, n))
+            r.p, r.track = self.seen[key], None
+        if parts:
+            _admit(model, self, parts)
 
-    def forward(self, model):
-        """(P, V) float32 logits of every physical row's next position."""
+    def logits(self, model):
+        """(P, V) float32 logits of every physical row's next position (one body position each)."""
+        if not self.tok:
+            return None
         dev = model.device
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.tok), 1))], 1)
-        out = model(input_ids=torch.tensor(self.tok, device=dev)[:, None], attention_mask=self.mask,
-                    position_ids=torch.tensor(self.pos, device=dev)[:, None], cache=self.cache, use_cache=True,
-                    logits_to_keep=1)
-        COUNTS["positions"] += len(self.tok)
-        return out.logits[:, -1].float()
+        hidden = _forward(model, torch.tensor(self.tok, device=dev)[:, None], self.mask,
+                          torch.tensor(self.pos, device=dev)[:, None], self.cache)  # (P, 1, hidden)
+        self.hid = torch.cat([self.hid, hidden], 1)
+        return _logits(model, hidden[:, -1])
 
     def regroup(self, live):
-        """Physical rows for the rows still decoding: one per (parent row, sampled token); forks copy the parent."""
+        """Physical rows for the physical rows still decoding: one per (parent row, sampled token)."""
         rows, src, tok, pos = {}, [], [], []
         for r in live:
             key = (r.p, r.ids[-1])
@@ -810,18 +836,42 @@ class _Batch:
                 pos.append(self.pos[r.p] + 1)
             r.p = rows[key]
         if not src:  # nothing left: the next admission starts a new cache
-            self.cache = self.mask = None
+            self.cache = self.mask = self.hid = None
         elif src != list(range(len(self.tok))):
             idx = torch.tensor(src, dtype=torch.long, device=self.mask.device)
             self.cache.batch_select_indices(idx)
-            self.mask = self.mask[idx]
-        self.tok, self.pos = tok, pos
+            self.mask, self.hid = self.mask[idx], self.hid[idx]
+        self.tok, self.pos, self.seen = tok, pos, {}
+
+
+def _start(episodes, r):
+    """A waiting row: tracking its cache's own tokens when the cache already covers its whole context (a branch
+    from a longer episode), else (dedup key, entry, n, token) of a physical row feeding its last context token."""
+    entry, m = episodes[r.i]._kv, len(r.ctx)
+    if len(entry.ids) >= m and entry.ids[m - 1] == r.ctx[-1]:
+        r.track = (entry, m)  # _prefill checked the first m - 1 tokens
+        return None
+    return (r, tuple(r.ctx), entry, m - 1, r.ctx[-1])
+
+
+def _track_logits(model, rows):
+    """(Q, V) logits of tracking rows, one per distinct (entry, length): the LM head on stored hidden states."""
+    index, states = {}, []
+    for r in rows:
+        entry, m = r.track
+        if (id(entry), m) not in index:
+            index[id(entry), m] = len(states)
+            states.append(entry.hidden[m - 1])
+        r.q = index[id(entry), m]
+    COUNTS["head_only"] += len(states)
+    return _logits(model, torch.stack(states)) if states else None
 
 
 def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
     """Continuous batching: at most gen_batch_size rows decode together; a row leaves the batch the step it stops
     (its cache kept as its episode's KVEntry) and a waiting row takes the slot. Rows with identical sequences share
-    one physical row (_Batch).
+    one physical row (_Batch); a row whose tokens repeat its cache's own (a twin's first tokens) runs no model
+    position until it diverges.
     DEVIATION P5: slots refill within one turn's call only; turns stay a barrier (retrieval is batched per turn)."""
     proc = KeyedGumbelProcessor(None, 0, proto.temperature, proto.top_k, proto.top_p, proto.fused_sampler)
     stopper = TurnStopper(tokenizer, 0, [r.budget for r in rows], eos)
@@ -830,35 +880,53 @@ def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
     while queue or live:
         if queue and len(live) < proto.gen_batch_size:
             new, queue = queue[:proto.gen_batch_size - len(live)], queue[proto.gen_batch_size - len(live):]
-            batch.admit(model, episodes, new)
+            batch.add(model, [p for p in (_start(episodes, r) for r in new) if p is not None])
             live += new
-        logits = batch.forward(model)  # (P, V)
+        phys = batch.logits(model)  # (P, V) or None
+        tracking = [r for r in live if r.track is not None]
+        track = _track_logits(model, tracking)
+        n_phys = 0 if phys is None else phys.shape[0]
+        logits = torch.cat([x for x in (phys, track) if x is not None])
+        src = torch.tensor([r.p if r.track is None else n_phys + r.q for r in live], device=dev)
         COUNTS["row_steps"] += len(live)
         COUNTS["tokens"] += len(live)
         keys = torch.tensor([_signed(r.key) for r in live], device=dev)
         steps = torch.tensor([len(r.ids) for r in live], device=dev)
-        phys = torch.tensor([r.p for r in live], device=dev)
         # DEVIATION P1: the logits come from cached keys/values, not a full re-prefill: equal up to float rounding,
         # so a draw at an exact near-tie (|gap| ~ 1e-6) could differ from the generate path; none did in tests/bench.
-        token, logprob, entropy = proc._draw(logits.index_select(0, phys), keys, steps)
-        keep = []
+        token, logprob, entropy = proc._draw(logits.index_select(0, src), keys, steps)
+        keep, diverged = [], []
         for r, tok, lp, ent in zip(live, token.tolist(), logprob.tolist(), entropy.tolist()):
             r.ids.append(tok)
             r.logprobs.append(lp)
             r.entropy.append(ent)
             stop = _row_stop(stopper, r, tok)
-            if stop is None:
+            if stop is not None:
+                _finish_row(episodes, batch, r)
+                gens[r.i] = Generation(r.ids, r.logprobs, r.entropy, stop, r.key)
+            elif r.track is None:
                 keep.append(r)
-                continue
-            n = len(r.ctx) + len(r.ids) - 1  # cached: the context and every sampled token but the last
-            width = batch.mask.shape[1]
-            # DEVIATION P3: the entry lives as long as the episode object (twins need it after the rollout); at
-            # 3B it is ~36 KB per token in bf16, no offload to the host.
-            episodes[r.i]._kv = _row_entry(batch.cache, r.p, width - n, width, r.ctx + r.ids[:-1])
-            gens[r.i] = Generation(r.ids, r.logprobs, r.entropy, stop, r.key)
-        live = keep
-        batch.regroup(live)
+            else:
+                entry, m = r.track
+                if m < len(entry.ids) and entry.ids[m] == tok:
+                    r.track = (entry, m + 1)
+                else:  # a token of its own: from here on it needs the model
+                    diverged.append((r, tuple(entry.ids[:m]) + (tok,), entry, m, tok))  # key: the sequence
+        batch.regroup(keep)
+        batch.add(model, diverged)
+        live = [r for r in live if gens[r.i] is None]
     return gens
+
+
+def _finish_row(episodes, batch, r):
+    """A stopped row's KVEntry: its context and every sampled token but the last."""
+    if r.track is not None:  # its tokens are its cache's own: that entry covers them
+        episodes[r.i]._kv = r.track[0]
+        return
+    n, width = len(r.ctx) + len(r.ids) - 1, batch.mask.shape[1]
+    # DEVIATION P3: the entry lives as long as the episode object (twins need it after the rollout); at 3B it is
+    # ~36 KB per token in bf16 (+ 4 KB of hidden state), no offload to the host.
+    episodes[r.i]._kv = _row_entry(batch.cache, batch.hid, r.p, width - n, width, r.ctx + r.ids[:-1])
 
 
 def _generate_cached(model, tokenizer, episodes, proto) -> list:

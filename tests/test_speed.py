@@ -67,7 +67,7 @@ def run_both(word_tok, word_model, proto_kw, n=8, group=3):  # noqa: F811
     out = {}
     for engine in ("generate", "cached"):
         proto = Protocol(engine=engine, **proto_kw)
-        rollout.COUNTS.update(positions=0, row_steps=0, tokens=0)
+        rollout.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
         eps = rollout.run_episodes(word_model, word_tok, FakeRetriever(),
                                    rollout.start_episodes(word_tok, questions(n), 4, 2, group), proto)
         requests = [(ep, t, j) for ep in eps for t in range(len(ep.turns)) for j in range(2)]
@@ -102,11 +102,23 @@ def test_cached_engine_samples_the_plain_paths_episodes(word_tok, word_model, ba
 
 def test_cached_engine_prefills_a_shared_prompt_once(word_tok, word_model):  # noqa: F811
     proto = Protocol(max_turns=0, max_new_tokens=1)
-    rollout.COUNTS.update(positions=0, row_steps=0, tokens=0)
+    rollout.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
     eps = rollout.start_episodes(word_tok, questions(1), 0, 0, group_size=5)
     rollout.generate_turn(word_model, word_tok, eps, proto)
-    assert rollout.COUNTS["positions"] == len(eps[0].prompt_ids) - 1 + 5  # the prompt once, then a token per row
+    # the prompt once, and its last token once for all five rows (identical sequences share a physical row)
+    assert rollout.COUNTS["positions"] == len(eps[0].prompt_ids) and rollout.COUNTS["row_steps"] == 5
     assert len({id(ep._kv.kv[0][0]) for ep in eps}) == 5  # each row's own cache after its turn
+
+
+def test_twins_read_repeated_tokens_off_the_parent_cache(word_tok, word_model):  # noqa: F811
+    """A twin whose alternative turn repeats the factual tokens (self-twin) runs no body position for them."""
+    proto = Protocol(max_turns=1, max_new_tokens=6, temperature=0.05)  # near-greedy: alternatives repeat
+    eps = rollout.run_episodes(word_model, word_tok, FakeRetriever(),
+                               rollout.start_episodes(word_tok, questions(4), 0, 0), proto)
+    rollout.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
+    results = rollout.run_twins(word_model, word_tok, FakeRetriever(), [(ep, 0, 0) for ep in eps], proto)
+    selfs = [r for r in results if r.kind == "self"]
+    assert selfs and rollout.COUNTS["head_only"] >= sum(r.tokens for r in selfs)
 
 
 def test_bench_gpu_runs_at_a_tiny_size(tiny_world, capsys):
