@@ -631,11 +631,27 @@ def _usable(ep, ctx):
 
 
 def _forward(model, ids, mask, pos, cache):
-    """The body over (b, S) new tokens on top of `cache` (updated in place) -> final hidden states (b, S, hidden).
-    Padding: mask 0 (left of the cache, right of the new tokens)."""
-    out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    """The model's own forward (a subclass may change its logits) over (b, S) new tokens on top of `cache` (updated
+    in place) -> (logits of the last position (b, V) float32, final hidden states (b, S, hidden) or None when the
+    model cannot be read that way). Padding: mask 0 (left of the cache, right of the new tokens)."""
+    seen = []
+    norm = getattr(model.base_model, "norm", None) if _can_track(model) else None
+    hook = norm.register_forward_hook(lambda mod, args, out: seen.append(out)) if norm is not None else None
+    try:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                    logits_to_keep=1)
+    finally:
+        if hook is not None:
+            hook.remove()
     COUNTS["positions"] += ids.numel()
-    return out.last_hidden_state
+    return out.logits[:, -1].float(), (seen[-1] if seen else None)
+
+
+def _can_track(model) -> bool:
+    """Logits = LM head(final norm output) holds for a transformers causal LM whose forward is the library's own;
+    only then may a row read logits off stored hidden states."""
+    forward = type(model).forward
+    return forward.__module__.startswith("transformers.") and hasattr(model.base_model, "norm")
 
 
 def _logits(model, hidden):
@@ -661,7 +677,7 @@ def _stack_rows(rows, width):
 
 def _row_entry(cache, hidden, b, start, end, ids):
     return KVEntry(ids, [(layer.keys[b:b + 1, :, start:end].clone(), layer.values[b:b + 1, :, start:end].clone())
-                         for layer in cache.layers], hidden[b, start:end].clone())
+                         for layer in cache.layers], None if hidden is None else hidden[b, start:end].clone())
 
 
 def _stack_hidden(rows, width):
@@ -729,9 +745,9 @@ def _prefill_bucket(model, bucket, pad):
         pos[b, :s] = torch.arange(n, n + s)
     from transformers import DynamicCache
     cache = DynamicCache(ddp_cache_data=_stack_rows(heads, width)) if width else DynamicCache()
-    hidden = _forward(model, ids.to(dev), mask.to(dev), pos.to(dev), cache)  # (b, span, hidden)
+    _, hidden = _forward(model, ids.to(dev), mask.to(dev), pos.to(dev), cache)  # hidden (b, span, H) or None
     COUNTS["padding"] += len(bucket) * span - sum(s for _, _, s in bucket)
-    if width:
+    if width and hidden is not None:
         hidden = torch.cat([_stack_hidden(heads, width), hidden], 1)
     for b, ((ctx, eps, s), (_, n)) in enumerate(zip(bucket, heads)):
         entry = _row_entry(cache, hidden, b, width - n, width + s, list(ctx))
@@ -769,13 +785,15 @@ def _admit(model, batch, parts):
     mask = torch.zeros((len(parts), width), dtype=torch.long, device=model.device)
     for b, (_, n) in enumerate(parts):
         mask[b, width - n:] = 1
-    layers, hidden = _stack_rows(parts, width), _stack_hidden(parts, width)
+    layers = _stack_rows(parts, width)
+    hidden = _stack_hidden(parts, width) if _can_track(model) else None
     if batch.cache is not None:
         width = max(width, batch.mask.shape[1])
         layers = [tuple(torch.cat([_pad_left(old, width, 2), _pad_left(add, width, 2)]) for old, add in
                         zip((layer.keys, layer.values), kv)) for layer, kv in zip(batch.cache.layers, layers)]
         mask = torch.cat([_pad_left(batch.mask, width, 1), _pad_left(mask, width, 1)])
-        hidden = torch.cat([_pad_left(batch.hid, width, 1), _pad_left(hidden, width, 1)])
+        if hidden is not None:
+            hidden = torch.cat([_pad_left(batch.hid, width, 1), _pad_left(hidden, width, 1)])
     from transformers import DynamicCache
     batch.cache, batch.mask, batch.hid = DynamicCache(ddp_cache_data=layers), mask, hidden
 
@@ -819,10 +837,11 @@ class _Batch:
             return None
         dev = model.device
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.tok), 1))], 1)
-        hidden = _forward(model, torch.tensor(self.tok, device=dev)[:, None], self.mask,
-                          torch.tensor(self.pos, device=dev)[:, None], self.cache)  # (P, 1, hidden)
-        self.hid = torch.cat([self.hid, hidden], 1)
-        return _logits(model, hidden[:, -1])
+        logits, hidden = _forward(model, torch.tensor(self.tok, device=dev)[:, None], self.mask,
+                                  torch.tensor(self.pos, device=dev)[:, None], self.cache)  # hidden (P, 1, H)
+        if hidden is not None:
+            self.hid = torch.cat([self.hid, hidden], 1)
+        return logits
 
     def regroup(self, live):
         """Physical rows for the physical rows still decoding: one per (parent row, sampled token)."""
@@ -840,7 +859,7 @@ class _Batch:
         elif src != list(range(len(self.tok))):
             idx = torch.tensor(src, dtype=torch.long, device=self.mask.device)
             self.cache.batch_select_indices(idx)
-            self.mask, self.hid = self.mask[idx], self.hid[idx]
+            self.mask, self.hid = self.mask[idx], None if self.hid is None else self.hid[idx]
         self.tok, self.pos, self.seen = tok, pos, {}
 
 
@@ -848,7 +867,7 @@ def _start(episodes, r):
     """A waiting row: tracking its cache's own tokens when the cache already covers its whole context (a branch
     from a longer episode), else (dedup key, entry, n, token) of a physical row feeding its last context token."""
     entry, m = episodes[r.i]._kv, len(r.ctx)
-    if len(entry.ids) >= m and entry.ids[m - 1] == r.ctx[-1]:
+    if entry.hidden is not None and len(entry.ids) >= m and entry.ids[m - 1] == r.ctx[-1]:
         r.track = (entry, m)  # _prefill checked the first m - 1 tokens
         return None
     return (r, tuple(r.ctx), entry, m - 1, r.ctx[-1])

@@ -126,3 +126,26 @@ def test_bench_gpu_runs_at_a_tiny_size(tiny_world, capsys):
     (m,) = result["steps"]
     assert m["factual_tokens"] > 0 and m["time_update"] > 0 and np.isfinite(m["loss"])
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_cached_engine_keeps_a_subclass_forward(word_tok):  # noqa: F811
+    """A model whose forward changes its logits (here a fixed bias): the cached engine samples through that forward
+    (no reading logits off hidden states) and matches the generate path."""
+    from transformers import Qwen2ForCausalLM
+
+    class Biased(Qwen2ForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits + self.bias
+            return out
+
+    base = tiny_model(len(word_tok), seed=4)
+    model = Biased(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    bias = torch.zeros(len(word_tok))
+    bias[word_tok.convert_tokens_to_ids("paris")] = 4.0
+    model.register_buffer("bias", bias)
+    assert not rollout._can_track(model) and rollout._can_track(base)
+    out = run_both(word_tok, model, dict(max_turns=1, max_new_tokens=8, gen_batch_size=7), n=4, group=2)
+    assert [ep.ids for ep in out["generate"][0]] == [ep.ids for ep in out["cached"][0]]
+    assert out["cached"][2]["head_only"] == 0
