@@ -22,6 +22,10 @@ Deviations (each tagged `# DEVIATION:` below):
      condition on between a factual episode and its twin).
   4. An EOS token stays in the response as sampled (loss mask 1); Search-R1's decode/re-encode drops it.
 
+Engine (issue 14, README-speed.md): each episode keeps its KV cache across turns, branches start from their parent's
+cache, identical sequences share one decode row and stopped rows leave the batch (continuous batching); the plain
+`model.generate` path stays as Protocol(engine="generate"). Deviations P1-P6 of README-speed.md are tagged below.
+
 Launch: `python rollout.py bench` (keyed vs multinomial generation time, CPU or GPU); the episode loop is driven by
 train_twice.py and audit.py.
 """
@@ -892,6 +896,8 @@ def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
     one physical row (_Batch); a row whose tokens repeat its cache's own (a twin's first tokens) runs no model
     position until it diverges.
     DEVIATION P5: slots refill within one turn's call only; turns stay a barrier (retrieval is batched per turn)."""
+    # DEVIATION P6: the keyed draw (the processor's own _draw: same noise, same law) runs in this loop rather than
+    # inside model.generate (DESIGN.md 4), which can neither drop and refill rows nor start from kept caches.
     proc = KeyedGumbelProcessor(None, 0, proto.temperature, proto.top_k, proto.top_p, proto.fused_sampler)
     stopper = TurnStopper(tokenizer, 0, [r.budget for r in rows], eos)
     queue, live, batch, gens = list(rows), [], _Batch(), [None] * len(episodes)
