@@ -23,6 +23,10 @@ Deviations (README "Deviations"; each tagged `# DEVIATION R<n>:` below):
   R4. An EOS token stays in the response as sampled (loss mask 1); Search-R1's decode/re-encode drops it.
   R5. The reward and the recorded answer come from the agent's own sampled text, never observations.
 
+Engine (issue 14, README-speed.md): each episode keeps its KV cache across turns, branches start from their parent's
+cache, identical sequences share one decode row and stopped rows leave the batch (continuous batching); the plain
+`model.generate` path stays as Protocol(engine="generate"). Deviations P1-P6 of README-speed.md are tagged below.
+
 Launch: `python rollout.py bench` (keyed vs multinomial generation time, CPU or GPU); the episode loop is driven by
 train_twice.py and audit.py.
 """
@@ -147,6 +151,7 @@ class Protocol:
     gen_batch_size: int = 64      # rows per generate call (episodes sorted by context length, then chunked)
     max_query_chars: int = 1024   # a search query is cut to this many characters before retrieval (DEVIATION R2)
     fused_sampler: bool = False   # torch.compile the keyed sampler into one kernel (use on GPU; eager is reference)
+    engine: str = "cached"        # "cached": KV reuse + continuous batching; "generate": model.generate per turn
 
 
 def protocol_from(cfg, greedy: bool = False) -> Protocol:
@@ -577,6 +582,9 @@ def _generate_chunk(model, tokenizer, contexts, keys, budgets, proto) -> list:
                              generation_config=config, logits_processor=LogitsProcessorList([proc]),
                              stopping_criteria=StoppingCriteriaList([stopper]))
     new = out[:, width:].cpu()  # (B, n_steps)
+    COUNTS["positions"] += n * (width + max(new.shape[1] - 1, 0))  # prefill, then one column per decode step
+    COUNTS["row_steps"] += n * new.shape[1]
+    COUNTS["tokens"] += sum(stopper.length)
     logprobs, entropy = proc.records()
     gens = []
     for b in range(n):
@@ -588,7 +596,11 @@ def _generate_chunk(model, tokenizer, contexts, keys, budgets, proto) -> list:
 
 
 def generate_turn(model, tokenizer, episodes, proto) -> list:
-    """Sample the next turn of every episode (none may be done), batched in chunks of gen_batch_size."""
+    """Sample the next turn of every episode (none may be done): the cached engine for a transformers model (below),
+    else (proto.engine = "generate", or any object with only `generate`) left-padded generate calls in chunks of
+    gen_batch_size, each re-prefilling its whole context."""
+    if _cached_engine(model, proto):
+        return _generate_cached(model, tokenizer, episodes, proto)
     order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].prompt_ids) + len(episodes[i].ids))
     gens = [None] * len(episodes)
     for c in range(0, len(order), proto.gen_batch_size):
@@ -601,6 +613,377 @@ def generate_turn(model, tokenizer, episodes, proto) -> list:
         for i, g in zip(chunk, _generate_chunk(model, tokenizer, contexts, keys, budgets, proto)):
             gens[i] = g
     return gens
+
+
+# --- the cached engine (issue 14): every context token goes through the model once per episode ---
+# Each episode keeps the KV cache of its context (ep._kv: a KVEntry); a turn feeds only what the cache lacks (the
+# previous turn's last token and the observation), identical contexts in a call (a group's prompt) are prefilled
+# once, a branch starts from its parent's cache, and rows leave the decode batch as they finish while waiting rows
+# take their slots (continuous batching). Noise keys are (turn key, position in turn): no token depends on this.
+# bench.py's cost measures, summed over both engines since the last reset: body positions (padding included), of
+# which padding; sampling row-steps; sampled tokens; LM-head-only positions (rows repeating a cache's own tokens)
+COUNTS = {"positions": 0, "padding": 0, "row_steps": 0, "tokens": 0, "head_only": 0}
+
+
+@dataclass
+class KVEntry:
+    """The KV cache of one token sequence: per layer (keys, values), each (1, H, len(ids), D), and the final hidden
+    state (the LM head's input) at each position, (len(ids), hidden): a row that samples this sequence's own tokens
+    again (a self-twin, a twin's shared first tokens) reads its logits off it without running the model."""
+    ids: list
+    kv: list
+    hidden: object
+
+
+def _cached_engine(model, proto) -> bool:
+    from transformers import PreTrainedModel
+    return proto.engine == "cached" and isinstance(model, PreTrainedModel)
+
+
+def _usable(ep, ctx):
+    """(entry, n): ep's cached entry and how many leading tokens of ctx it covers (at most len(ctx) - 1: the last
+    context token is fed in the first decode step, which gives the first logits)."""
+    entry = getattr(ep, "_kv", None)
+    if entry is None:
+        return None, 0
+    n = min(len(entry.ids), len(ctx) - 1)
+    if entry.ids[:n] != ctx[:n]:
+        same = np.asarray(entry.ids[:n]) == np.asarray(ctx[:n])
+        n = int(same.argmin())
+    return entry, n
+
+
+def _forward(model, ids, mask, pos, cache):
+    """The model's own forward (a subclass may change its logits) over (b, S) new tokens on top of `cache` (updated
+    in place) -> (logits of the last position (b, V) float32, final hidden states (b, S, hidden) or None when the
+    model cannot be read that way). Padding: mask 0 (left of the cache, right of the new tokens)."""
+    seen = []
+    norm = getattr(model.base_model, "norm", None) if _can_track(model) else None
+    hook = norm.register_forward_hook(lambda mod, args, out: seen.append(out)) if norm is not None else None
+    try:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                    logits_to_keep=1)
+    finally:
+        if hook is not None:
+            hook.remove()
+    COUNTS["positions"] += ids.numel()
+    return out.logits[:, -1].float(), (seen[-1] if seen else None)
+
+
+def _can_track(model) -> bool:
+    """Logits = LM head(final norm output) holds for a transformers causal LM whose forward is the library's own;
+    only then may a row read logits off stored hidden states."""
+    forward = type(model).forward
+    return forward.__module__.startswith("transformers.") and hasattr(model.base_model, "norm")
+
+
+def _logits(model, hidden):
+    """(n, V) float32 logits of (n, hidden) final hidden states: the model's own LM head, as its forward applies it."""
+    return model.get_output_embeddings()(hidden).float()
+
+
+def _stack_rows(rows, width):
+    """Per-layer (keys, values) (b, H, width, D) of KVEntry slices (entry, n), left-padded with zeros."""
+    first = next(entry for entry, n in rows if n).kv  # width > 0: some row has a cache
+    layers = []
+    for i in range(len(first)):
+        k0 = first[i][0]
+        ks = k0.new_zeros((len(rows), k0.shape[1], width, k0.shape[3]))
+        vs = torch.zeros_like(ks)
+        for b, (entry, n) in enumerate(rows):
+            if n:
+                ks[b, :, width - n:] = entry.kv[i][0][0, :, :n]
+                vs[b, :, width - n:] = entry.kv[i][1][0, :, :n]
+        layers.append((ks, vs))
+    return layers
+
+
+def _row_entry(cache, hidden, b, start, end, ids):
+    return KVEntry(ids, [(layer.keys[b:b + 1, :, start:end].clone(), layer.values[b:b + 1, :, start:end].clone())
+                         for layer in cache.layers], None if hidden is None else hidden[b, start:end].clone())
+
+
+def _stack_hidden(rows, width):
+    """(b, width, hidden) of KVEntry hidden states (entry, n), left-padded with zeros."""
+    h0 = next(entry for entry, n in rows if n).hidden
+    out = h0.new_zeros((len(rows), width, h0.shape[-1]))
+    for b, (entry, n) in enumerate(rows):
+        if n:
+            out[b, width - n:] = entry.hidden[:n]
+    return out
+
+
+def _prefill(model, episodes, contexts, proto, pad):
+    """Give every episode a KVEntry of its context but the last token: the missing suffix only, rows with the same
+    context computed once, in buckets of similar suffix length (little padding)."""
+    todo = {}
+    for ep, ctx in zip(episodes, contexts):
+        entry, n = _usable(ep, ctx)
+        if n < len(ctx) - 1:
+            todo.setdefault(tuple(ctx[:-1]), []).append((ep, entry, n))
+        else:
+            ep._kv = entry
+    _shared_head(model, todo, pad)
+    jobs = sorted(todo.items(), key=lambda kv: len(kv[0]) - kv[1][0][2])  # by suffix length
+    bucket = []
+    for job in jobs + [None]:
+        suffix = None if job is None else len(job[0]) - job[1][0][2]
+        if bucket and (job is None or len(bucket) == proto.gen_batch_size or suffix > 1.25 * bucket[0][2] + 8):
+            _prefill_bucket(model, bucket, pad)
+            bucket = []
+        if job is not None:
+            bucket.append((job[0], job[1], suffix))
+
+
+def _shared_head(model, todo, pad, least=16):
+    """Fresh contexts (no cache yet: different questions behind one instruction) share their longest common prefix:
+    computed once, it becomes their starting cache."""
+    fresh = [ctx for ctx, eps in todo.items() if eps[0][1] is None]
+    if len(fresh) < 2:
+        return
+    lcp = min(len(c) for c in fresh)
+    first = fresh[0]
+    for ctx in fresh[1:]:
+        lcp = next((k for k in range(lcp) if ctx[k] != first[k]), lcp)
+    lcp = min(lcp, min(len(c) for c in fresh) - 1)  # every context keeps a suffix of its own
+    if lcp < least:
+        return
+    holder = argparse.Namespace(_kv=None)
+    _prefill_bucket(model, [(first[:lcp], [(holder, None, 0)], lcp)], pad)
+    for ctx in fresh:
+        todo[ctx] = [(ep, holder._kv, lcp) for ep, _, _ in todo[ctx]]
+
+
+def _prefill_bucket(model, bucket, pad):
+    """One forward: row b = [left pad][its cached n_b][its suffix][right pad]; positions 0.. over the real tokens."""
+    dev = model.device
+    heads = [(eps[0][1], eps[0][2]) for _, eps, _ in bucket]  # (entry, n) of the first episode of each context
+    width, span = max(n for _, n in heads), max(s for _, _, s in bucket)
+    ids = torch.full((len(bucket), span), pad, dtype=torch.long)
+    mask = torch.zeros((len(bucket), width + span), dtype=torch.long)
+    pos = torch.zeros((len(bucket), span), dtype=torch.long)
+    for b, ((ctx, _, s), (_, n)) in enumerate(zip(bucket, heads)):
+        ids[b, :s] = torch.tensor(ctx[n:], dtype=torch.long)
+        mask[b, width - n:width + s] = 1
+        pos[b, :s] = torch.arange(n, n + s)
+    from transformers import DynamicCache
+    cache = DynamicCache(ddp_cache_data=_stack_rows(heads, width)) if width else DynamicCache()
+    _, hidden = _forward(model, ids.to(dev), mask.to(dev), pos.to(dev), cache)  # hidden (b, span, H) or None
+    COUNTS["padding"] += len(bucket) * span - sum(s for _, _, s in bucket)
+    if width and hidden is not None:
+        hidden = torch.cat([_stack_hidden(heads, width), hidden], 1)
+    for b, ((ctx, eps, s), (_, n)) in enumerate(zip(bucket, heads)):
+        entry = _row_entry(cache, hidden, b, width - n, width + s, list(ctx))
+        for ep, _, _ in eps:
+            ep._kv = entry  # shared, never written: a later turn makes a new entry
+
+
+@dataclass
+class _Row:
+    """A row of the decode batch: its episode's context, key, budget and what it sampled so far."""
+    i: int
+    ctx: list
+    key: int
+    budget: int
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    entropy: list = field(default_factory=list)
+    p: int = 0              # its physical row in the decode batch (_Batch)
+    track: tuple | None = None  # (KVEntry, m): its sequence is the entry's first m tokens (no physical row)
+    q: int = 0              # its row among the tracking logits
+
+
+def _pad_left(t, width, dim):
+    extra = width - t.shape[dim]
+    if extra == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t.new_zeros(shape), t], dim)
+
+
+def _admit(model, batch, parts):
+    """Join new physical rows, parts = (KVEntry, n) caching n tokens, to the batch: both padded on the left."""
+    width = max(n for _, n in parts)
+    mask = torch.zeros((len(parts), width), dtype=torch.long, device=model.device)
+    for b, (_, n) in enumerate(parts):
+        mask[b, width - n:] = 1
+    layers = _stack_rows(parts, width)
+    hidden = _stack_hidden(parts, width) if _can_track(model) else None
+    if batch.cache is not None:
+        width = max(width, batch.mask.shape[1])
+        layers = [tuple(torch.cat([_pad_left(old, width, 2), _pad_left(add, width, 2)]) for old, add in
+                        zip((layer.keys, layer.values), kv)) for layer, kv in zip(batch.cache.layers, layers)]
+        mask = torch.cat([_pad_left(batch.mask, width, 1), _pad_left(mask, width, 1)])
+        if hidden is not None:
+            hidden = torch.cat([_pad_left(batch.hid, width, 1), _pad_left(hidden, width, 1)])
+    from transformers import DynamicCache
+    batch.cache, batch.mask, batch.hid = DynamicCache(ddp_cache_data=layers), mask, hidden
+
+
+def _row_stop(stopper, row, tok: int):
+    """TurnStopper's rule for one row after it sampled tok: a stop string, EOS, or its budget (that order)."""
+    if stopper._has_gt(tok) and any(s in stopper.tokenizer.decode(row.ids, skip_special_tokens=False)
+                                    for s in STOP_STRINGS):
+        return "stop"
+    if tok in stopper.eos_token_id:
+        return "eos"
+    return "length" if len(row.ids) >= row.budget else None
+
+
+class _Batch:
+    """The physical decode batch: one cache row per distinct sequence. Logical rows (episodes) with the same context
+    and the same tokens so far share a physical row (a group's identical lines, twins of identical states) and fork
+    when their keyed draws differ, so each distinct position goes through the model once. hid (P, W, hidden): the
+    final hidden state at every cached position (what a finished row's KVEntry keeps)."""
+
+    def __init__(self):
+        self.cache = self.mask = self.hid = None
+        self.tok, self.pos, self.seen = [], [], {}  # per physical row: next token, its position; dedup keys
+
+    def add(self, model, rows):
+        """Physical rows for rows = [(row, dedup key, KVEntry, n cached, next token)], one per distinct key."""
+        parts = []
+        for r, key, entry, n, tok in rows:
+            if key not in self.seen:
+                self.seen[key] = len(self.tok)
+                self.tok.append(tok)
+                self.pos.append(n)
+                parts.append((entry, n))
+            r.p, r.track = self.seen[key], None
+        if parts:
+            _admit(model, self, parts)
+
+    def logits(self, model):
+        """(P, V) float32 logits of every physical row's next position (one body position each)."""
+        if not self.tok:
+            return None
+        dev = model.device
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.tok), 1))], 1)
+        logits, hidden = _forward(model, torch.tensor(self.tok, device=dev)[:, None], self.mask,
+                                  torch.tensor(self.pos, device=dev)[:, None], self.cache)  # hidden (P, 1, H)
+        if hidden is not None:
+            self.hid = torch.cat([self.hid, hidden], 1)
+        return logits
+
+    def regroup(self, live):
+        """Physical rows for the physical rows still decoding: one per (parent row, sampled token)."""
+        rows, src, tok, pos = {}, [], [], []
+        for r in live:
+            key = (r.p, r.ids[-1])
+            if key not in rows:
+                rows[key] = len(src)
+                src.append(r.p)
+                tok.append(r.ids[-1])
+                pos.append(self.pos[r.p] + 1)
+            r.p = rows[key]
+        if not src:  # nothing left: the next admission starts a new cache
+            self.cache = self.mask = self.hid = None
+        elif src != list(range(len(self.tok))):
+            idx = torch.tensor(src, dtype=torch.long, device=self.mask.device)
+            self.cache.batch_select_indices(idx)
+            self.mask, self.hid = self.mask[idx], None if self.hid is None else self.hid[idx]
+        self.tok, self.pos, self.seen = tok, pos, {}
+
+
+def _start(episodes, r):
+    """A waiting row: tracking its cache's own tokens when the cache already covers its whole context (a branch
+    from a longer episode), else (dedup key, entry, n, token) of a physical row feeding its last context token."""
+    entry, m = episodes[r.i]._kv, len(r.ctx)
+    if entry.hidden is not None and len(entry.ids) >= m and entry.ids[m - 1] == r.ctx[-1]:
+        r.track = (entry, m)  # _prefill checked the first m - 1 tokens
+        return None
+    return (r, tuple(r.ctx), entry, m - 1, r.ctx[-1])
+
+
+def _track_logits(model, rows):
+    """(Q, V) logits of tracking rows, one per distinct (entry, length): the LM head on stored hidden states."""
+    index, states = {}, []
+    for r in rows:
+        entry, m = r.track
+        if (id(entry), m) not in index:
+            index[id(entry), m] = len(states)
+            states.append(entry.hidden[m - 1])
+        r.q = index[id(entry), m]
+    COUNTS["head_only"] += len(states)
+    return _logits(model, torch.stack(states)) if states else None
+
+
+def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
+    """Continuous batching: at most gen_batch_size rows decode together; a row leaves the batch the step it stops
+    (its cache kept as its episode's KVEntry) and a waiting row takes the slot. Rows with identical sequences share
+    one physical row (_Batch); a row whose tokens repeat its cache's own (a twin's first tokens) runs no model
+    position until it diverges.
+    DEVIATION P5: slots refill within one turn's call only; turns stay a barrier (retrieval is batched per turn)."""
+    # DEVIATION P6: the keyed draw (the processor's own _draw: same noise, same law) runs in this loop rather than
+    # inside model.generate (DESIGN.md 4), which can neither drop and refill rows nor start from kept caches.
+    proc = KeyedGumbelProcessor(None, 0, proto.temperature, proto.top_k, proto.top_p, proto.fused_sampler)
+    stopper = TurnStopper(tokenizer, 0, [r.budget for r in rows], eos)
+    queue, live, batch, gens = list(rows), [], _Batch(), [None] * len(episodes)
+    dev = model.device
+    while queue or live:
+        if queue and len(live) < proto.gen_batch_size:
+            new, queue = queue[:proto.gen_batch_size - len(live)], queue[proto.gen_batch_size - len(live):]
+            batch.add(model, [p for p in (_start(episodes, r) for r in new) if p is not None])
+            live += new
+        phys = batch.logits(model)  # (P, V) or None
+        tracking = [r for r in live if r.track is not None]
+        track = _track_logits(model, tracking)
+        n_phys = 0 if phys is None else phys.shape[0]
+        logits = torch.cat([x for x in (phys, track) if x is not None])
+        src = torch.tensor([r.p if r.track is None else n_phys + r.q for r in live], device=dev)
+        COUNTS["row_steps"] += len(live)
+        COUNTS["tokens"] += len(live)
+        keys = torch.tensor([_signed(r.key) for r in live], device=dev)
+        steps = torch.tensor([len(r.ids) for r in live], device=dev)
+        # DEVIATION P1: the logits come from cached keys/values, not a full re-prefill: equal up to float rounding,
+        # so a draw at an exact near-tie (|gap| ~ 1e-6) could differ from the generate path; none did in tests/bench.
+        token, logprob, entropy = proc._draw(logits.index_select(0, src), keys, steps)
+        keep, diverged = [], []
+        for r, tok, lp, ent in zip(live, token.tolist(), logprob.tolist(), entropy.tolist()):
+            r.ids.append(tok)
+            r.logprobs.append(lp)
+            r.entropy.append(ent)
+            stop = _row_stop(stopper, r, tok)
+            if stop is not None:
+                _finish_row(episodes, batch, r)
+                gens[r.i] = Generation(r.ids, r.logprobs, r.entropy, stop, r.key)
+            elif r.track is None:
+                keep.append(r)
+            else:
+                entry, m = r.track
+                if m < len(entry.ids) and entry.ids[m] == tok:
+                    r.track = (entry, m + 1)
+                else:  # a token of its own: from here on it needs the model
+                    diverged.append((r, tuple(entry.ids[:m]) + (tok,), entry, m, tok))  # key: the sequence
+        batch.regroup(keep)
+        batch.add(model, diverged)
+        live = [r for r in live if gens[r.i] is None]
+    return gens
+
+
+def _finish_row(episodes, batch, r):
+    """A stopped row's KVEntry: its context and every sampled token but the last."""
+    if r.track is not None:  # its tokens are its cache's own: that entry covers them
+        episodes[r.i]._kv = r.track[0]
+        return
+    n, width = len(r.ctx) + len(r.ids) - 1, batch.mask.shape[1]
+    # DEVIATION P3: the entry lives as long as the episode object (twins need it after the rollout); at 3B it is
+    # ~36 KB per token in bf16 (+ 4 KB of hidden state), no offload to the host.
+    episodes[r.i]._kv = _row_entry(batch.cache, batch.hid, r.p, width - n, width, r.ctx + r.ids[:-1])
+
+
+def _generate_cached(model, tokenizer, episodes, proto) -> list:
+    """generate_turn with the cached engine (same tokens as _generate_chunk: keyed noise, same stop rule)."""
+    eos, pad = _special_ids(model, tokenizer)
+    contexts = [ep.prompt_ids + ep.ids for ep in episodes]
+    order = sorted(range(len(episodes)), key=lambda i: len(contexts[i]))  # similar cache widths decode together
+    rows = [_Row(i, contexts[i], episodes[i].key_for(len(episodes[i].turns)),
+                 min(proto.max_new_tokens, proto.max_context - len(contexts[i]))) for i in order]
+    assert min(r.budget for r in rows) > 0, "an episode without room for a token should have ended"
+    with torch.no_grad():
+        _prefill(model, episodes, contexts, proto, pad)
+        return _decode(model, tokenizer, episodes, rows, proto, eos)
 
 
 def _format_docs(docs) -> str:
@@ -704,6 +1087,7 @@ def branch(ep, turn: int, include_turn=False, key_overrides=None, fresh_seed=Non
                   prompt_ids=ep.prompt_ids, ids=ep.ids[:cut], mask=ep.mask[:cut], turns=list(ep.turns[:start]),
                   key_overrides=overrides, fresh_seed=ep.fresh_seed if fresh_seed is None else fresh_seed,
                   fresh_from=ep.fresh_from if fresh_seed is None else start, branch_turn=turn)
+    new._kv = getattr(ep, "_kv", None)  # the cached engine starts the branch from its parent's cache
     if include_turn and start == len(ep.turns) and ep.done:  # the turn ended the episode: nothing left to sample
         new.answer, new.reward, new.done = ep.answer, ep.reward, True
     return new

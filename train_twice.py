@@ -47,6 +47,7 @@ import checkpoint
 import config
 import credit
 import eval as qa_eval
+import logprobs
 import methods
 import report
 import rollout
@@ -175,26 +176,27 @@ def gather_list(accel, items: list) -> list:
 # ---------------------------------------------------------------------------------------------------------------
 # Policy loss (DESIGN 6)
 
-def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False):
-    """log pi(x_{k+1} | x_<=k) of softmax(logits / T) at every position k, (B, L-1); optionally its entropy."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, -1)  # (B, L-1, V)
-    lp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    return lp, ent
+def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False, positions=None):
+    """log pi(x_{k+1} | x_<=k) of softmax(logits / T) at every position k, (B, L-1); optionally its entropy.
+    Chunked through the LM head (logprobs.py): no (B, L, V) tensor; positions limits what is computed."""
+    return logprobs.token_logprobs(model, input_ids, attention_mask, temperature, with_entropy, positions)
 
 
 @torch.no_grad()
 def batch_logprobs(model, batch, cfg, with_entropy=False):
-    """(log-probs, entropy or None) of a whole batch, micro-batched, without gradients (old policy, reference)."""
-    lps, ents = [], []
-    for s in range(0, batch["input_ids"].shape[0], cfg.micro_batch_size):
-        rows = slice(s, s + cfg.micro_batch_size)
-        lp, ent = token_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows], cfg.temperature,
-                                 with_entropy)
-        lps.append(lp)
-        ents.append(ent)
-    return torch.cat(lps), torch.cat(ents) if with_entropy else None
+    """(log-probs, entropy or None) at the loss-masked positions of a batch (0 elsewhere: DEVIATION P2), no grads
+    (old policy, reference); micro-batches of similar lengths, each cut to its longest row."""
+    n = batch["input_ids"].shape[0]
+    lp = torch.zeros(n, batch["input_ids"].shape[1] - 1, device=batch["input_ids"].device)
+    ent = torch.zeros_like(lp) if with_entropy else None
+    lengths = batch["attention_mask"].sum(1).cpu().numpy()
+    for rows in logprobs.length_sorted_splits(lengths, np.arange(n), math.ceil(n / cfg.micro_batch_size)):
+        mb, w = logprobs.trimmed(batch, rows)
+        lp[rows, :w - 1], e = token_logprobs(model, mb["input_ids"], mb["attention_mask"], cfg.temperature,
+                                             with_entropy, mb["loss_mask"][:, 1:].bool())
+        if with_entropy:
+            ent[rows, :w - 1] = e
+    return lp, ent
 
 
 def ppo_loss(cfg, lp, old_lp, ref_lp, adv, mask, ent=None):
@@ -217,16 +219,19 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
     accel, model, opt = run.accel, run.policy, run.opt
     mask = batch["loss_mask"][:, 1:].float()  # (B, L-1): position k predicts token k+1
     sums = torch.zeros(4, device=accel.device)  # loss, kl, clipped, tokens
+    lengths = batch["attention_mask"].sum(1).cpu().numpy()
     grad_norms = []
     for epoch in range(cfg.ppo_epochs):
         order = np.random.default_rng(rollout.mix(cfg.seed, step, epoch)).permutation(len(mask))
         for mb in np.array_split(order, cfg.mini_batches):
             n_tok = accel.reduce(mask[mb].sum(), "sum").clamp(min=1)  # global token count of the mini-batch
-            for micro in np.array_split(mb, run.n_micro):
+            for micro in logprobs.length_sorted_splits(lengths, mb, run.n_micro):  # little padding per micro
                 with accel.accumulate(model):
-                    lp, ent = token_logprobs(model, batch["input_ids"][micro], batch["attention_mask"][micro],
-                                             cfg.temperature, cfg.entropy_coef > 0)
-                    loss, kl, clipped = ppo_loss(cfg, lp, old_lp[micro], ref_lp[micro], adv[micro], mask[micro], ent)
+                    mbt, w = logprobs.trimmed(batch, micro)
+                    lp, ent = token_logprobs(model, mbt["input_ids"], mbt["attention_mask"], cfg.temperature,
+                                             cfg.entropy_coef > 0, mbt["loss_mask"][:, 1:].bool())
+                    loss, kl, clipped = ppo_loss(cfg, lp, old_lp[micro, :w - 1], ref_lp[micro, :w - 1],
+                                                 adv[micro, :w - 1], mask[micro, :w - 1], ent)
                     total = loss.sum() / n_tok
                     if not torch.isfinite(total):
                         raise diverged(step, "loss", total.item())

@@ -385,13 +385,15 @@ def test_same_tokens_alone_in_a_batch_and_with_long_padding(word_tok, word_model
 
 def test_model_generation_config_cannot_alter_the_draw(word_tok, word_model, monkeypatch):
     eps = lambda: rollout.start_episodes(word_tok, questions(8), 1, 0)  # noqa: E731
-    proto = Protocol(max_new_tokens=24, max_turns=0)
+    proto = Protocol(max_new_tokens=24, max_turns=0, engine="generate")  # the cached engine never reads the config
     clean = [g.ids for g in rollout.generate_turn(word_model, word_tok, eps(), proto)]
     saved = word_model.generation_config
     word_model.generation_config = GenerationConfig(repetition_penalty=5.0, no_repeat_ngram_size=1, top_k=3,
                                                     temperature=0.1, suppress_tokens=list(range(4, 40)))
     try:
         assert [g.ids for g in rollout.generate_turn(word_model, word_tok, eps(), proto)] == clean
+        cached = Protocol(max_new_tokens=24, max_turns=0)
+        assert [g.ids for g in rollout.generate_turn(word_model, word_tok, eps(), cached)] == clean
         monkeypatch.setattr(rollout, "_plain_generation_config", lambda model: __import__("contextlib").nullcontext())
         assert [g.ids for g in rollout.generate_turn(word_model, word_tok, eps(), proto)] != clean  # the test bites
     finally:

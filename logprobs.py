@@ -1,0 +1,89 @@
+"""Memory-bounded token log-probs of a causal LM: the policy loss's log pi and entropy without (B, L, V) tensors.
+
+Why a file of its own: the trainer's update, the old-policy and reference passes and the benchmarks all need the
+same computation, and it is a concept of its own (how to get log softmax(W h / T) without materialising it).
+
+    log pi(x_{k+1} | x_<=k) = (W h_k)[x_{k+1}] / T - logsumexp_v (W h_k)_v / T,   H_k = lse_k - sum_v p_v (W h_k)_v / T
+
+The transformer body runs once (its logits kept for one position only: logits_to_keep=1); the LM head then runs on
+at most `chunk_elements / V` selected positions at a time, so the extra float32 memory is a few (chunk, V) blocks
+(~64 MB each by default) instead of (B, L, V) logits, log-softmax, exp and product (~20 GB each at 8 x 4096 x
+151,936). With gradients each chunk is checkpointed: its (chunk, V) block is recomputed in the backward pass rather
+than kept. Only the positions asked for (the loss mask in the update) go through the head.
+"""
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_ELEMENTS = 1 << 24  # positions x vocabulary per LM-head chunk: 64 MB per float32 (chunk, V) block
+
+
+def _unwrap(model):
+    """The module under DDP / DeepSpeed wrappers (their forward is still what runs the body)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _chunk_stats(head, h, targets, temperature, with_entropy):
+    """(n,) log-probs (and entropies) of targets under softmax(head(h) / T); h (n, H)."""
+    logits = head(h).float()  # (n, V)
+    if temperature != 1:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, -1)  # (n,)
+    lp = logits.gather(1, targets[:, None]).squeeze(1) - lse
+    if not with_entropy:
+        return lp, lp.new_zeros(())
+    return lp, lse - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False, positions=None,
+                   chunk_elements=CHUNK_ELEMENTS):
+    """log pi(x_{k+1} | x_<=k) at every position k, (B, L-1), and the entropy (or None); 0 where not computed.
+
+    positions: (B, L-1) bool, the positions to compute (default: every k whose token and next token are real).
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1][:, :-1]  # (B, L-1, H), after the final norm: what the LM head reads
+    if positions is None:
+        positions = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    sel = positions.bool().flatten().nonzero().squeeze(1)  # (N,) flat indices into (B, L-1)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)  # (N, H)
+    targets = input_ids[:, 1:].reshape(-1).index_select(0, sel)
+    # DEVIATION P4: the head runs outside the wrapper's forward (its weight gets both uses' gradients in one
+    # backward): right for DDP and ZeRO-2, not for ZeRO-3 / FSDP, which shard the head's weight.
+    head = _unwrap(model).get_output_embeddings()
+    step = max(1, chunk_elements // head.weight.shape[0])
+    lps, ents = [], []
+    for s in range(0, len(sel), step):
+        args = (head, h[s:s + step], targets[s:s + step], temperature, with_entropy)
+        if torch.is_grad_enabled():  # keep only h per chunk; the (chunk, V) block is recomputed in backward
+            lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(*args)
+        lps.append(lp)
+        ents.append(ent)
+    shape = positions.shape
+    lp = _scatter(lps, sel, shape, hidden)
+    return lp, (_scatter(ents, sel, shape, hidden) if with_entropy else None)
+
+
+def _scatter(parts, sel, shape, like):
+    flat = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=like.device)
+    if parts:
+        flat = flat.index_put((sel,), torch.cat(parts))  # out of place: autograd flows into the chunks
+    return flat.view(shape)
+
+
+def length_sorted_splits(lengths, rows, n_splits: int) -> list:
+    """rows split into n_splits micro-batches of similar lengths (stable sort by length): little padding per split.
+    The loss is a token sum, so which rows share a micro-batch changes only float rounding."""
+    rows = np.asarray(rows)
+    rows = rows[np.argsort(np.asarray(lengths)[rows], kind="stable")]
+    return [r for r in np.array_split(rows, n_splits) if len(r)]
+
+
+def trimmed(batch: dict, rows, keys=("input_ids", "attention_mask", "loss_mask")) -> tuple:
+    """The rows of a right-padded batch cut to their longest row: (dict of (b, w) tensors, w)."""
+    width = int(batch["attention_mask"][rows].sum(1).max())
+    return {k: batch[k][rows, :width] for k in keys if k in batch}, width
