@@ -87,3 +87,20 @@ def trimmed(batch: dict, rows, keys=("input_ids", "attention_mask", "loss_mask")
     """The rows of a right-padded batch cut to their longest row: (dict of (b, w) tensors, w)."""
     width = int(batch["attention_mask"][rows].sum(1).max())
     return {k: batch[k][rows, :width] for k in keys if k in batch}, width
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch, temperature, micro_batch_size, with_entropy=False):
+    """(log-probs, entropy or None) at the loss-masked positions of a batch (0 elsewhere: DEVIATION P2), no grads
+    (old policy, reference); micro-batches of similar lengths, each cut to its longest row."""
+    n = batch["input_ids"].shape[0]
+    lp = torch.zeros(n, batch["input_ids"].shape[1] - 1, device=batch["input_ids"].device)
+    ent = torch.zeros_like(lp) if with_entropy else None
+    lengths = batch["attention_mask"].sum(1).cpu().numpy()
+    for rows in length_sorted_splits(lengths, np.arange(n), -(-n // micro_batch_size)):
+        mb, w = trimmed(batch, rows)
+        lp[rows, :w - 1], e = token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature,
+                                             with_entropy, mb["loss_mask"][:, 1:].bool())
+        if with_entropy:
+            ent[rows, :w - 1] = e
+    return lp, ent

@@ -182,23 +182,6 @@ def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=F
     return logprobs.token_logprobs(model, input_ids, attention_mask, temperature, with_entropy, positions)
 
 
-@torch.no_grad()
-def batch_logprobs(model, batch, cfg, with_entropy=False):
-    """(log-probs, entropy or None) at the loss-masked positions of a batch (0 elsewhere: DEVIATION P2), no grads
-    (old policy, reference); micro-batches of similar lengths, each cut to its longest row."""
-    n = batch["input_ids"].shape[0]
-    lp = torch.zeros(n, batch["input_ids"].shape[1] - 1, device=batch["input_ids"].device)
-    ent = torch.zeros_like(lp) if with_entropy else None
-    lengths = batch["attention_mask"].sum(1).cpu().numpy()
-    for rows in logprobs.length_sorted_splits(lengths, np.arange(n), math.ceil(n / cfg.micro_batch_size)):
-        mb, w = logprobs.trimmed(batch, rows)
-        lp[rows, :w - 1], e = token_logprobs(model, mb["input_ids"], mb["attention_mask"], cfg.temperature,
-                                             with_entropy, mb["loss_mask"][:, 1:].bool())
-        if with_entropy:
-            ent[rows, :w - 1] = e
-    return lp, ent
-
-
 def ppo_loss(cfg, lp, old_lp, ref_lp, adv, mask, ent=None):
     """Per-token PPO-clip surrogate + k3 KL to the reference - entropy bonus, and the clipped-token indicator."""
     ratio = torch.exp(lp - old_lp)
@@ -323,8 +306,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
             adv, stats = run.method.token_advantages(run, step, episodes, batch, adv)
         # log-prob k predicts token k + 1 (token_logprobs), so token k's advantage moves to position k - 1
         adv = torch.tensor(adv[:, 1:], dtype=torch.float32, device=accel.device)
-        old_lp, ent = batch_logprobs(policy, batch, cfg, with_entropy=True)
-        ref_lp, _ = batch_logprobs(run.ref, batch, cfg)
+        old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True)
+        ref_lp, _ = logprobs.batch_logprobs(run.ref, batch, cfg.temperature, cfg.micro_batch_size)
 
     # 7. PPO-clip update with the k3 KL to the reference.
     run.policy.train()
