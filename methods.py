@@ -319,9 +319,9 @@ class TreeGRPO(TreeMethod):
 def twin_stats(accel, twins, n_decisions: int, factual_tokens: int) -> dict:
     """The twin counters of TWIN_COUNTERS summed over ranks, and the logged rates (factual_tokens: summed)."""
     kinds = [twin.kind for twin in twins]
-    local = [n_decisions, len(twins), kinds.count("self"), kinds.count("same_evidence"), kinds.count("rollout"),
+    counts = [n_decisions, len(twins), kinds.count("self"), kinds.count("same_evidence"), kinds.count("rollout"),
              sum(twin.diff != 0 for twin in twins), sum(twin.tokens for twin in twins)]
-    total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=accel.device), "sum").tolist()
+    total = accel.reduce(torch.tensor(counts, dtype=torch.float64, device=accel.device), "sum").tolist()
     out = {k: int(v) for k, v in zip(TWIN_COUNTERS, total)}
     out["discordance"] = out["discordant"] / max(out["twins"], 1)
     out["twin_token_ratio"] = out["twin_tokens"] / max(factual_tokens, 1)
@@ -331,8 +331,8 @@ def twin_stats(accel, twins, n_decisions: int, factual_tokens: int) -> dict:
 def reduce_stats(accel, stats: dict) -> dict:
     """A method's per-rank counters summed over ranks (every value a number; aux_tokens among them)."""
     keys = sorted(stats)
-    local = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=accel.device)
-    total = accel.reduce(local, "sum").tolist() if keys else []
+    counts = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=accel.device)
+    total = accel.reduce(counts, "sum").tolist() if keys else []
     return {k: int(v) if float(v).is_integer() else v for k, v in zip(keys, total)}
 
 

@@ -59,10 +59,10 @@ class Config(methods.Knobs):
     knobs (vine_k, gamma, ...) are inherited from methods.Knobs."""
     # --- io ---
     world: str = "data/tinyworld"   # world folder (tinyworld.py): fills the blank paths below
-    model: str = ""                 # initial policy and reference: hub id or folder ({world}/policy)
+    model: str = ""                 # initial policy and reference: hub id or folder
     train_data: str = ""            # QA .jsonl/.parquet (id, question, golden_answers, data_source)
     eval_data: str = ""             # comma-separated QA files for periodic greedy evaluation
-    index: str = ""                 # retriever index folder (retriever.py build); "" -> {world}/index
+    index: str = ""                 # retriever index folder (retriever.py build)
     retriever_url: str = ""         # Search-R1 HTTP retriever (POST /retrieve); replaces `index`
     out_dir: str = "runs/twice"     # metrics.jsonl, checkpoints, learning_curve.png
     resume: str = ""                # checkpoint folder to continue from; the run continues exactly
@@ -126,7 +126,7 @@ class Config(methods.Knobs):
             self.method = "grpo"
 
     def checks(self):
-        """(field, ok, rule): every value that would otherwise fail, or silently mislead, deep inside a step."""
+        """(field, ok, rule): every value that would otherwise fail, or mislead, inside a step."""
         at_least = {"prompts_per_step": 1, "group_size": 2, "max_turns": 0, "topk": 1, "max_new_tokens": 1,
                     "max_obs_tokens": 0, "max_context": 2, "top_k": 0, "gen_batch_size": 1, "twin_budget": 0,
                     "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
@@ -143,7 +143,7 @@ class Config(methods.Knobs):
                  ("omega", math.isfinite(self.omega), "finite")] + self.knob_checks())
 
 
-def parse_config(argv) -> Config:  # preset files (positional), then --key=value overrides (config.py)
+def parse_config(argv) -> Config:  # preset files, then --key=value overrides (config.py)
     return config.parse(Config, argv, "train_twice.py")
 
 
@@ -156,13 +156,13 @@ class Run:
     tok: object                     # tokenizer
     retriever: object               # DenseRetriever or RemoteRetriever
     opt: object                     # AdamW
-    method: methods.Method          # rollout and credit of cfg.method (methods.py); TWICE's steps 3-5 are below
+    method: methods.Method          # cfg.method's rollout and credit (TWICE's steps 3-5: below)
     predictor: credit.DiscordancePredictor  # p_t of the budget rule
     sigma_hat: credit.RunningScale  # sigma_hat of the token advantage
     rows: list                      # training questions
     n_micro: int                    # micro-batches per mini-batch (gradient accumulation)
     weight_norm0: float = 0.0       # the initial weight norm (divergence check)
-    tokens: int = 0                 # generated tokens so far, factual + aux (token_budget; saved in checkpoints)
+    tokens: int = 0                 # generated tokens so far, factual + aux (token_budget)
 
 
 def gather_list(accel, items: list) -> list:
@@ -173,17 +173,17 @@ def gather_list(accel, items: list) -> list:
     return list(gather_object(list(items)))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Policy loss (DESIGN 6)
 
 def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False, positions=None):
-    """log pi(x_{k+1} | x_<=k) of softmax(logits / T) at every position k, (B, L-1); optionally its entropy.
-    Chunked through the LM head (logprobs.py): no (B, L, V) tensor; positions limits what is computed."""
+    """log pi(x_{k+1} | x_<=k) of softmax(logits / T) at every position k, (B, L-1); optionally
+    its entropy. Chunked through the LM head (logprobs.py): no (B, L, V) tensor."""
     return logprobs.token_logprobs(model, input_ids, attention_mask, temperature, with_entropy, positions)
 
 
 def ppo_loss(cfg, lp, old_lp, ref_lp, adv, mask, ent=None):
-    """Per-token PPO-clip surrogate + k3 KL to the reference - entropy bonus, and the clipped-token indicator."""
+    """Per-token PPO-clip surrogate + k3 KL to the reference - entropy bonus; clipped tokens."""
     ratio = torch.exp(lp - old_lp)
     pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip) * adv)
     d = ref_lp - lp
@@ -192,8 +192,8 @@ def ppo_loss(cfg, lp, old_lp, ref_lp, adv, mask, ent=None):
     return loss * mask, kl * mask, ((ratio - 1).abs() > cfg.clip).float() * mask
 
 
-def diverged(step: int, what: str, value) -> FloatingPointError:  # raised before anything of the step is saved
-    return FloatingPointError(f"diverged at step {step}: {what} = {value} (lower lr, or resume a checkpoint)")
+def diverged(step: int, what: str, value) -> FloatingPointError:  # raised before any save
+    return FloatingPointError(f"diverged at step {step}: {what} = {value} (lower lr, or resume)")
 
 
 def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
@@ -207,8 +207,8 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
     for epoch in range(cfg.ppo_epochs):
         order = np.random.default_rng(rollout.mix(cfg.seed, step, epoch)).permutation(len(mask))
         for mb in np.array_split(order, cfg.mini_batches):
-            n_tok = accel.reduce(mask[mb].sum(), "sum").clamp(min=1)  # global token count of the mini-batch
-            for micro in logprobs.length_sorted_splits(lengths, mb, run.n_micro):  # little padding per micro
+            n_tok = accel.reduce(mask[mb].sum(), "sum").clamp(min=1)  # the mini-batch's, all ranks
+            for micro in logprobs.length_sorted_splits(lengths, mb, run.n_micro):  # little padding
                 with accel.accumulate(model):
                     mbt, w = logprobs.trimmed(batch, micro)
                     lp, ent = token_logprobs(model, mbt["input_ids"], mbt["attention_mask"], cfg.temperature,
@@ -218,7 +218,7 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
                     total = loss.sum() / n_tok
                     if not torch.isfinite(total):
                         raise diverged(step, "loss", total.item())
-                    # accelerate divides by n_micro and DDP averages ranks: undo both for a global token mean
+                    # accelerate divides by n_micro, DDP averages ranks: undo both (a global token mean)
                     accel.backward(total * accel.num_processes * run.n_micro)
                     if accel.sync_gradients:
                         grad_norms.append(float(accel.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
@@ -238,7 +238,7 @@ def weight_norm(accel, model) -> float:
     return float(torch.sqrt(sum(p.detach().double().pow(2).sum() for p in accel.unwrap_model(model).parameters())))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One step: the method, in the order of the docstring
 
 def train_step(cfg: Config, run: Run, step: int) -> dict:
@@ -259,8 +259,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         a_traj = run.method.trajectory_advantages(episodes)
         a_hat, stats = [np.zeros(len(ep.turns)) for ep in episodes], {}  # A_hat per turn: 0 unless branched
         if cfg.method in methods.TWIN_METHODS:
-            # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; a keyed uniform draws each branch.
-            #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the batch's budget).
+            # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; keyed branch draws.
+            #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the budget).
             group_success = rewards.reshape(-1, G).mean(1).repeat(G)
             decisions = rollout.decision_table(episodes, group_success)
             budget = credit.solve_budget(run.predictor.predict(decisions.features), decisions.cost,
@@ -269,14 +269,14 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
                  for i, t in decisions.index]
             branched = credit.branch_mask(budget.q, np.array(u))
 
-            # 4. Twins of the branched decisions: alternative y' at turn t, then the factual keys (same luck).
+            # 4. Twins of the branched decisions: y' at turn t, then the factual keys (same luck).
             pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(cfg.twins_per_decision)]
             requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j) for n, j in pairs]
             twins = rollout.run_twins(policy, run.tok, run.retriever, requests, proto, cfg.coupling,
                                       cfg.same_evidence_shortcut, run.method.independent_twins)
 
-            # 5. Horvitz-Thompson credit A_hat_t = 1[branched] mean_j D_t^j / q_t; the predictor learns from the
-            #    whole batch's twins (every rank fits the same model) and sigma_hat tracks the RMS of A_hat.
+            # 5. Horvitz-Thompson credit A_hat_t = 1[branched] mean_j D_t^j / q_t; the predictor learns
+            #    from the whole batch's twins (same model on every rank); sigma_hat: the RMS of A_hat.
             diffs = [[] for _ in decisions.index]
             for (n, _), twin in zip(pairs, twins):
                 diffs[n].append(twin.diff)
@@ -296,15 +296,15 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         # 6. Token advantage A = A_traj + omega A_hat_t / sigma_hat on the sampled tokens of turn t.
         if cfg.method in methods.TWIN_METHODS:
             turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, run.sigma_hat.value)
-        else:  # GRPO and the baselines: the method's own per-turn advantage (methods.py) in place of steps 3-6
+        else:  # GRPO and the baselines: their own per-turn advantage (methods.py), for steps 3-6
             turn_adv, stats = run.method.turn_advantages(run, step, episodes, proto)
         batch = {k: v.to(accel.device) for k, v in rollout.collate(episodes, run.tok.pad_token_id).items()}
-        # turn t's tokens sit at ep.turns[t].start..end of the response, which starts after the prompt
+        # turn t's tokens are ep.turns[t].start..end of the response, which starts after the prompt
         spans = [[(len(ep.prompt_ids) + t.start, len(ep.prompt_ids) + t.end) for t in ep.turns] for ep in episodes]
         adv = credit.spread_over_tokens(turn_adv, spans, batch["input_ids"].shape[1])
-        if hasattr(run.method, "token_advantages"):  # token-level methods (ppo's GAE, craft): (B, L), their stats
+        if hasattr(run.method, "token_advantages"):  # token-level methods (ppo's GAE, craft): (B, L)
             adv, stats = run.method.token_advantages(run, step, episodes, batch, adv)
-        # log-prob k predicts token k + 1 (token_logprobs), so token k's advantage moves to position k - 1
+        # log-prob k predicts token k + 1 (token_logprobs): token k's advantage moves to k - 1
         adv = torch.tensor(adv[:, 1:], dtype=torch.float32, device=accel.device)
         old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True)
         ref_lp, _ = logprobs.batch_logprobs(run.ref, batch, cfg.temperature, cfg.micro_batch_size)
@@ -336,21 +336,21 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
 def batch_totals(accel, episodes, batch, ent) -> dict:
     """Reward, entropy, turns and factual tokens of the step, over every rank."""
     mask = batch["loss_mask"][:, 1:].float()
-    local = torch.tensor([sum(ep.reward for ep in episodes), len(episodes), float((ent * mask).sum()),
-                          float(mask.sum()), sum(len(ep.turns) for ep in episodes),
-                          sum(ep.n_generated for ep in episodes)], dtype=torch.float64, device=accel.device)
-    reward, n_episodes, entropy, n_tokens, turns, generated = accel.reduce(local, "sum").tolist()
+    sums = torch.tensor([sum(ep.reward for ep in episodes), len(episodes), float((ent * mask).sum()),
+                         float(mask.sum()), sum(len(ep.turns) for ep in episodes),
+                         sum(ep.n_generated for ep in episodes)], dtype=torch.float64, device=accel.device)
+    reward, n_episodes, entropy, n_tokens, turns, generated = accel.reduce(sums, "sum").tolist()
     return {"reward": reward / n_episodes,
             "entropy": entropy / max(n_tokens, 1),
             "turns": turns / n_episodes,
             "factual_tokens": int(generated)}
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Evaluation, checkpoints, logs
 
 def run_eval(cfg, run, rows) -> dict:
-    """Greedy EM on the eval rows, sharded over ranks: {"eval_em": average over sources, "eval_em/<source>": ..}."""
+    """Greedy EM on the eval rows, over ranks: {"eval_em": mean over sources, "eval_em/<source>": ..}."""
     policy = run.accel.unwrap_model(run.policy)
     policy.eval()
     with torch.no_grad(), run.accel.autocast():
@@ -359,14 +359,14 @@ def run_eval(cfg, run, rows) -> dict:
 
 
 def weights_spread(accel, model) -> float:
-    """Max over ranks minus min of a float64 weight checksum: 0 when every rank holds the same weights."""
+    """Max minus min over ranks of a float64 weight checksum: 0 when all ranks hold the same weights."""
     s = sum(p.detach().double().sum() for p in accel.unwrap_model(model).parameters())
     all_s = accel.gather(s.reshape(1).to(accel.device))
     return float(all_s.max() - all_s.min())
 
 
 def setup(cfg: Config) -> Run:
-    """Accelerator, policy (fp32 master weights), frozen reference, optimizer, retriever and data."""
+    """Accelerator, policy (fp32 master weights), frozen reference, optimizer, retriever, data."""
     from accelerate import Accelerator
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.prompts_per_step % world:
@@ -409,7 +409,7 @@ def main(cfg: Config):
             metrics.update(run_eval(cfg, run, eval_subset))
         metrics.update(train_step(cfg, run, step))
         run.tokens += metrics["factual_tokens"] + metrics["aux_tokens"]
-        metrics["tokens"], done = run.tokens, step + 1  # eval_em of this row was measured before this step's tokens
+        metrics["tokens"], done = run.tokens, step + 1  # this row's eval_em: before its tokens
         if accel.num_processes > 1:
             metrics["weights_spread"] = weights_spread(accel, run.policy)
         if accel.is_main_process:
@@ -423,7 +423,7 @@ def main(cfg: Config):
     if accel.is_main_process:
         checkpoint.end_log(cfg, final, trackers)
         print(f"final | eval_em {final.get('eval_em', float('nan')):.3f} | checkpoint {path}", flush=True)
-        print(report.finish_run(cfg.out_dir), flush=True)  # learning_curve.png and the before/after table
+        print(report.finish_run(cfg.out_dir), flush=True)  # learning_curve.png, before/after table
     accel.end_training()
     return final
 
