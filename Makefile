@@ -40,7 +40,7 @@ index: install
 # greedy evaluation of the test split before (step 0), every 5 steps and after; prints the before/after table and the
 # twin statistics; writes runs/demo/twice/{metrics.jsonl,learning_curve.png,step_*}.
 demo: install $(WORLD)/world.json
-	$(PY) train_twice.py configs/demo.cfg --world=$(WORLD) --seed=$(SEED)
+	$(PY) train_twice.py configs/demo.cfg --world=$(WORLD) --seed=$(SEED) --overwrite
 
 # GRPO (omega = 0) vs TWICE on the tiny world, same seeds and settings, at a learning rate where credit matters;
 # prints EM curves (mean +- sd over SEEDS), training reward, token cost and twin statistics. One thread per run: the
@@ -50,7 +50,7 @@ COMPARE ?= runs/demo-compare
 demo-compare: install $(WORLD)/world.json
 	for s in $(SEEDS); do for o in 0 1; do \
 	  OMP_NUM_THREADS=1 $(PY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(WORLD) --seed=$$s --omega=$$o \
-	    --out_dir=$(COMPARE)/omega$$o-seed$$s || exit 1; done; done
+	    --out_dir=$(COMPARE)/omega$$o-seed$$s --overwrite || exit 1; done; done
 	$(PY) report.py compare $(COMPARE)/omega*-seed*
 
 # Every method at the same total of generated tokens (factual + auxiliary) per run (issue 15): one run per method and
