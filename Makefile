@@ -160,7 +160,7 @@ retriever-down:
 # One training run: $(1) = run folder, $(2) = extra flags. Continues from the run's last checkpoint if there is one.
 define train_run
 	$(ACCEL) launch --config_file $(ACCEL_CFG_$(SIZE)) train_twice.py configs/qwen2.5-$(SIZE).cfg --out_dir=$(1) \
-	  --retriever_url=$(URL) $(2) $$(ls -d $(1)/step_?????? 2>/dev/null | tail -n 1 | sed 's/^/--resume=/')
+	  --retriever_url=$(URL) $(2) --overwrite $$(ls -d $(1)/step_?????? 2>/dev/null | tail -n 1 | sed 's/^/--resume=/')
 	touch $(1)/DONE
 endef
 
