@@ -252,8 +252,11 @@ def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str) 
     def random_policy(path, device=None, dtype=None):
         torch.manual_seed(0)
         return Qwen2ForCausalLM(config).to(device=device or "cpu", dtype=dtype or torch.float32).eval(), tok
-    qa_eval.load_policy = random_policy  # the only change to setup(): no checkpoint to read
-    run = tt.setup(cfg)
+    saved, qa_eval.load_policy = qa_eval.load_policy, random_policy  # setup() with no checkpoint to read
+    try:
+        run = tt.setup(cfg)
+    finally:  # restored at once: a caller in the same process (the test suite) keeps the real loader
+        qa_eval.load_policy = saved
     cuda = torch.cuda.is_available()
     rows = []
     for step in range(steps):

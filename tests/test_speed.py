@@ -7,6 +7,7 @@ import torch
 from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_model, word_tok  # noqa: F401
 
 import bench
+import eval as qa_eval
 import logprobs
 import rollout
 import train_twice as tt
@@ -122,7 +123,9 @@ def test_twins_read_repeated_tokens_off_the_parent_cache(word_tok, word_model): 
 
 
 def test_bench_gpu_runs_at_a_tiny_size(tiny_world, capsys):
+    loader = qa_eval.load_policy
     (result,) = bench.main(["gpu", "--tiny", "--steps=1", f"--world={tiny_world}"])
+    assert qa_eval.load_policy is loader  # the random-model loader must not leak into later tests
     (m,) = result["steps"]
     assert m["factual_tokens"] > 0 and m["time_update"] > 0 and np.isfinite(m["loss"])
     assert "tok/s" in capsys.readouterr().out
