@@ -91,7 +91,7 @@ class Method:
         return {}
 
     def load_state_dict(self, state: dict):
-        pass
+        """GRPO carries nothing across steps (a method with learned state overrides both)."""
 
     def policy(self, run):
         return run.accel.unwrap_model(run.policy)

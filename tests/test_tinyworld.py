@@ -63,7 +63,8 @@ def test_names_are_single_tokens_and_round_trip(built):
     q = tinyworld.question_rows(world, "train")[0]
     texts = [render_prompt(tok, q["question"]), INVALID_ACTION_MSG]
     texts += [information_block(tinyworld.docs_text(docs)) for docs in built["top"].values()]
-    texts += [t for turns, _ in [tinyworld.scripted_episode(q, world, built["top"], tinyworld.make_rng(0, 9))] for t, _ in turns]
+    turns, _ = tinyworld.scripted_episode(q, world, built["top"], tinyworld.make_rng(0, 9))
+    texts += [t for t, _ in turns]
     for text in texts:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.decode(ids) == text
@@ -164,11 +165,13 @@ def test_demo_mask_is_zero_on_prompt_and_observations(built):
 def test_fast_bc_loss_equals_plain_forward(built):
     tok, world, top, model = built["tok"], built["world"], built["top"], built["model"]
     rows = tinyworld.question_rows(world, "train")[:3]
-    enc = [tinyworld.encode_episode(tok, q["question"], tinyworld.scripted_episode(q, world, top, tinyworld.make_rng(0, 1))[0], {})
+    script = tinyworld.scripted_episode
+    enc = [tinyworld.encode_episode(tok, q["question"], script(q, world, top, tinyworld.make_rng(0, 1))[0], {})
            for q in rows]
     P = tinyworld.common_prefix([e[0] for e in enc])
     with torch.no_grad():
-        fast = tinyworld.bc_loss(model, torch.tensor(enc[0][0][:P]), *tinyworld.pad_batch(enc, [0, 1, 2], P, tok.pad_token_id))
+        batch = tinyworld.pad_batch(enc, [0, 1, 2], P, tok.pad_token_id)
+        fast = tinyworld.bc_loss(model, torch.tensor(enc[0][0][:P]), *batch)
         nll, n = 0.0, 0
         for ids, mask in enc:
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
