@@ -234,8 +234,9 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0}
 
 
-def weight_norm(accel, model) -> float:
-    return float(torch.sqrt(sum(p.detach().double().pow(2).sum() for p in accel.unwrap_model(model).parameters())))
+def weight_norm(accel, model) -> float:  # float32 norms per tensor: no float64 copy of the weights
+    norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float32) for p in accel.unwrap_model(model).parameters()]
+    return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 
 # --------------------------------------------------------------------------------------------------
