@@ -54,17 +54,22 @@ demo-compare: install $(WORLD)/world.json
 	$(PY) report.py compare $(COMPARE)/omega*-seed*
 
 # Every method at the same total of generated tokens (factual + auxiliary) per run (issue 15): one run per method and
-# seed from PRESET, each stopped by token_budget (a method that spends tokens on twins or continuations gets fewer
+# seed from the configs CMP_CFG, each stopped by token_budget (a method that spends tokens on twins or continuations gets fewer
 # steps); prints the table (EM at token marks, area under EM-vs-tokens, tokens to GRPO's final EM, wall time) and
-# writes $(CMP)/compare_methods.png. One thread per run: reruns give the same numbers. Quick variant: SEEDS=0.
-PRESET   ?= configs/chains.cfg
-METHODS  ?= grpo twice
+# writes $(CMP)/compare_methods.png. JOBS runs at a time, one thread each (reruns give the same numbers), a log per run
+# in $(CMP)/<method>-seed<s>.log; finished runs are kept (rerun to fill in). Quick variant: SEEDS=0.
+CMP_CFG  ?= configs/chains.cfg configs/compare-methods.cfg
+METHODS  ?= grpo twice independent vineppo gigpo hgpo arpo tree_grpo ppo igpo spa_rl agentprm craft
 CMP      ?= runs/compare-methods
+JOBS     ?= 2
 compare-methods: install
+	mkdir -p $(CMP)
 	for s in $(SEEDS); do for m in $(METHODS); do \
-	  [ -f $(CMP)/$$m-seed$$s/config.json ] && grep -q '"final": true' $(CMP)/$$m-seed$$s/metrics.jsonl && continue; \
-	  OMP_NUM_THREADS=1 $(PY) train_twice.py $(PRESET) $(if $(filter command line,$(origin WORLD)),--world=$(WORLD)) --seed=$$s --method=$$m \
-	    --out_dir=$(CMP)/$$m-seed$$s --overwrite || exit 1; done; done
+	  grep -qs '"final": true' $(CMP)/$$m-seed$$s/metrics.jsonl || echo "$$m $$s"; done; done | \
+	xargs -P $(JOBS) -L 1 sh -c 'OMP_NUM_THREADS=1 $(PY) train_twice.py $(CMP_CFG) \
+	  $(if $(filter command line,$(origin WORLD)),--world=$(WORLD)) --seed=$$1 --method=$$0 \
+	  --out_dir=$(CMP)/$$0-seed$$1 --overwrite > $(CMP)/$$0-seed$$1.log 2>&1 || \
+	  { echo "$$0 seed $$1 failed: see $(CMP)/$$0-seed$$1.log"; exit 255; }'
 	$(PY) report.py methods $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(CMP)/$(m)-seed$(s)))
 
 # Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages.

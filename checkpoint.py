@@ -54,8 +54,8 @@ def save(cfg, run, step: int) -> str:
     return final
 
 
-RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_size", "save_every", "out_dir", "overwrite",
-               "log_tensorboard", "log_wandb", "wandb_project"}
+RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_tokens", "eval_size", "save_every", "out_dir",
+               "overwrite", "log_tensorboard", "log_wandb", "wandb_project"}
 
 
 def load(cfg, run) -> int:

@@ -110,6 +110,7 @@ class Config(methods.Knobs):
     # --- run ---
     seed: int = 0                   # run seed: prompt order, every sampling key, branch draws
     eval_every: int = 50            # steps between greedy evaluations (0 = only at the end)
+    eval_tokens: int = 0            # also evaluate at the first step and whenever generated tokens pass a multiple
     eval_size: int = 0              # questions per periodic evaluation (0 = all; the final: all)
     save_every: int = 0             # steps between checkpoints (0 = only at the end)
     log_tensorboard: bool = True    # every metric as TensorBoard scalars too (out_dir/tb)
@@ -131,7 +132,7 @@ class Config(methods.Knobs):
                     "max_obs_tokens": 0, "max_context": 2, "top_k": 0, "gen_batch_size": 1, "twin_budget": 0,
                     "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
                     "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
-                    "eval_size": 0, "save_every": 0}
+                    "eval_tokens": 0, "eval_size": 0, "save_every": 0}
         above = {"temperature": 0, "adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
         unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
@@ -401,13 +402,15 @@ def main(cfg: Config):
     start = checkpoint.load(cfg, run) if cfg.resume else 0
     trackers = checkpoint.start_log(cfg, start) if accel.is_main_process else []
     eval_subset = eval_rows[:cfg.eval_size] if cfg.eval_size else eval_rows
-    done = start
+    done, mark = start, -1  # mark: multiples of eval_tokens evaluated so far (-1: none yet)
     for step in range(start, cfg.steps):
         if cfg.token_budget and run.tokens >= cfg.token_budget:
             break
         metrics = {}
-        if eval_rows and cfg.eval_every and step % cfg.eval_every == 0:
+        due = cfg.eval_tokens and run.tokens // cfg.eval_tokens > mark  # methods differ in tokens per step
+        if eval_rows and (cfg.eval_every and step % cfg.eval_every == 0 or due):
             metrics.update(run_eval(cfg, run, eval_subset))
+            mark = run.tokens // cfg.eval_tokens if cfg.eval_tokens else mark
         metrics.update(train_step(cfg, run, step))
         run.tokens += metrics["factual_tokens"] + metrics["aux_tokens"]
         metrics["tokens"], done = run.tokens, step + 1  # this row's eval_em: before its tokens

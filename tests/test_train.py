@@ -3,6 +3,7 @@ import collections
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -253,6 +254,25 @@ def test_token_budget_stops_the_run_and_counts_every_generated_token(tiny_world,
     assert rows[0]["tokens"] == rows[0]["factual_tokens"] + rows[0]["aux_tokens"] == final["tokens"]
     assert rows[0]["aux_tokens"] == rows[0]["twin_tokens"] > 0
     assert json.load(open(os.path.join(out, "step_000001", "run.json")))["tokens"] == final["tokens"]
+
+
+def test_eval_tokens_evaluates_at_the_start_and_at_every_multiple_of_generated_tokens(tiny_world, tmp_path):
+    """Methods differ in tokens per step, so the benchmark evaluates by tokens: a step's eval runs when the tokens
+    before it have passed a new multiple of eval_tokens (and at the first step)."""
+    out = str(tmp_path / "evtok")
+    tt.main(tiny_cfg(tiny_world, out, "--steps=4", "--eval_every=0", "--eval_size=4", "--omega=0"))
+    rows = [r for r in read_metrics(out) if not r.get("final")]
+    per_step = rows[0]["tokens"]  # about the same every step; eval every ~1.5 steps
+    shutil.rmtree(out)
+    tt.main(tiny_cfg(tiny_world, out, "--steps=4", "--eval_every=0", "--eval_size=4", "--omega=0",
+                     f"--eval_tokens={int(per_step * 1.5)}"))
+    rows = [r for r in read_metrics(out) if not r.get("final")]
+    before = [0] + [r["tokens"] for r in rows[:-1]]
+    k = int(per_step * 1.5)
+    expect = [i == 0 or before[i] // k > max(before[j] // k for j in range(i) if "eval_em" in rows[j])
+              for i in range(len(rows))]
+    assert ["eval_em" in r for r in rows] == expect
+    assert 2 <= sum(expect) < len(rows)  # the rule fired more than once and skipped a step
 
 
 def test_compare_methods_at_equal_tokens(tmp_path):
