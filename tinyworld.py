@@ -1049,9 +1049,41 @@ def _decision_freqs(logs):
     return {row: {k: round(v / sum(c.values()), 3) for k, v in sorted(c.items())} for row, c in counts.items()}
 
 
+def stop_calibration(world_dir: str, split: str = "test", seed: int = 0) -> dict:
+    """How well a chains world's warm start learned the stop decisions: P(So) / (P(So) + P(Next)) at each decision
+    word of scripted perfect episodes (teacher-forced), by position (hops, kind), against the scripts' probability."""
+    import torch
+    import retriever
+    from eval import load_policy
+    with open(os.path.join(world_dir, "world.json")) as f:
+        world = json.load(f)["world"]
+    if world.get("preset") != "chains":
+        raise ValueError(f"{world_dir}/world.json: not a chains world (preset {world.get('preset')!r})")
+    model, tok = load_policy(os.path.join(world_dir, "policy"))
+    retr = retriever.DenseRetriever(os.path.join(world_dir, "index"))
+    top = dict(zip(entity_names(world), retr.search(entity_names(world), topk=TOPK)))
+    so, nxt = tok.convert_tokens_to_ids("\u0120So"), tok.convert_tokens_to_ids("\u0120Next")
+    script = {"bridge": CHAIN_PROBS["bridge"]["answer_early"], "last_bridge": CHAIN_PROBS["last_bridge"]["stop_short"],
+              "answer": 1.0}
+    rng, out = make_rng(seed, 7), {}
+    for q in question_rows(world, split):
+        turns, _ = scripted_episode(q, world, top, rng, perfect=True)
+        ids, mask = encode_episode(tok, q["question"], turns, {})
+        with torch.no_grad():
+            p = torch.softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        hops, at = q["metadata"]["hops"], [i for i in range(1, len(ids)) if mask[i] and ids[i] in (so, nxt)]
+        for k, i in enumerate(at[1:], 1):  # the first think block always searches
+            kind = "answer" if k == hops else "last_bridge" if k == hops - 1 else "bridge"
+            out.setdefault(f"{hops}hop/{kind}@{k}", []).append(float(p[i - 1, so] / (p[i - 1, so] + p[i - 1, nxt])))
+    return {key: {"p_stop": round(float(np.mean(v)), 3), "script": script[key.split("/")[1].split("@")[0]],
+                  "n": len(v)} for key, v in sorted(out.items())}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="output folder (must not exist or be empty, unless --force)")
+    parser.add_argument("--out", help="output folder (must not exist or be empty, unless --force)")
+    parser.add_argument("--calibration", metavar="WORLD", help="print a built chains world's stop calibration "
+                        "(stop_calibration) and exit")
     parser.add_argument("--seed", type=int, default=0, help="world, demonstrations and BC seed")
     parser.add_argument("--preset", choices=sorted(PRESET_SCALES), default="tiny",
                         help="tiny (the demo's world) or chains (1- to 4-hop chains, long turns; issue 11)")
@@ -1059,6 +1091,11 @@ def main(argv=None):
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: bit-for-bit repeatable BC)")
     args = parser.parse_args(argv)
+    if args.calibration:
+        print(json.dumps(stop_calibration(args.calibration, seed=args.seed), indent=1))
+        return
+    if not args.out:
+        parser.error("--out is required (or --calibration WORLD)")
     stats = build_tinyworld(args.out, args.seed, args.scale, args.force, args.threads, args.preset)
     stats["bc"].pop("losses")
     print(json.dumps(stats, indent=1, default=float))

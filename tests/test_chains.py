@@ -154,3 +154,31 @@ def test_rebuild_is_bit_for_bit_identical(world_dir, tmp_path):
 def test_unknown_preset_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="preset"):
         tinyworld.build_tinyworld(str(tmp_path / "w"), scale="test", preset="nope")
+
+
+def test_stop_calibration_covers_every_decision_position(world_dir, built, capsys):
+    """`tinyworld.py --calibration`: one row per (hops, decision kind, position) of the scripted perfect episodes,
+    counting every question once, with probabilities in [0, 1] and the script's own probability beside them."""
+    tinyworld.main(["--calibration", world_dir, "--seed", str(SEED)])
+    out = capsys.readouterr().out
+    cal = json.loads(out[out.find("{"):])
+    test = built["rows"]["test"]
+    expect = {f"{h}hop/{'answer' if k == h else 'last_bridge' if k == h - 1 else 'bridge'}@{k}"
+              for h in {q["metadata"]["hops"] for q in test} for k in range(1, h + 1)}
+    assert set(cal) == expect
+    for key, row in cal.items():
+        hops = int(key[0])
+        assert row["n"] == sum(q["metadata"]["hops"] == hops for q in test)
+        assert 0.0 <= row["p_stop"] <= 1.0
+        probs = tinyworld.CHAIN_PROBS
+        script = {"answer": 1.0, "last_bridge": probs["last_bridge"]["stop_short"],
+                  "bridge": probs["bridge"]["answer_early"]}
+        assert row["script"] == script[key.split("/")[1].split("@")[0]]
+
+
+def test_calibration_refuses_a_tiny_world(tmp_path):
+    d = tmp_path / "w"
+    d.mkdir()
+    (d / "world.json").write_text(json.dumps({"world": {"preset": "tiny"}, "stats": {}}))
+    with pytest.raises(ValueError, match="not a chains world"):
+        tinyworld.stop_calibration(str(d))
