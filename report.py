@@ -237,7 +237,8 @@ def auc(points: list, budget: float) -> float:
 
 def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
     """Markdown: one row per method (mean +- sd over seeds): greedy EM at `checkpoints` equally spaced token counts
-    up to the shared budget, area under EM-vs-tokens, tokens to reach GRPO's final EM, steps, wall time; and a PNG
+    up to the shared budget, area under EM-vs-tokens, final EM and the tokens it was measured at (mean), tokens to
+    reach GRPO's final EM, steps, wall time; and a PNG
     of EM against generated tokens (mean, sd band)."""
     runs = {}
     for d in run_dirs:
@@ -246,14 +247,16 @@ def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
     budget = max(cfg["token_budget"] or max(r.get("tokens", 0) for r in rows) for m in runs.values() for cfg, rows in m)
     marks = [budget * (k + 1) / checkpoints for k in range(checkpoints)]
     grpo_final = np.mean([em_vs_tokens(rows)[-1][1] for _, rows in runs.get("grpo", [])]) if "grpo" in runs else None
-    head = ["method", "seeds"] + [f"EM@{tokens_str(m)}" for m in marks] + ["AUC", "tokens to GRPO's final",
-                                                                           "steps", "wall min"]
+    # the final evaluation runs after the step that crossed the budget, so it lies past the last mark: its own column
+    head = ["method", "seeds"] + [f"EM@{tokens_str(m)}" for m in marks] + ["AUC", "final EM", "final tokens",
+                                                                           "tokens to GRPO's final", "steps", "wall min"]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name in sorted(runs, key=lambda n: (n != "grpo", n != "twice", n)):
         curves = [em_vs_tokens(rows) for _, rows in runs[name]]
         reach = [next((t for t, em in c if grpo_final is not None and em >= grpo_final), np.nan) for c in curves]
         cells = [name, str(len(curves))]
         cells += [mean_sd([em_at(c, m) for c in curves]) for m in marks] + [mean_sd([auc(c, budget) for c in curves])]
+        cells += [mean_sd([c[-1][1] for c in curves]), tokens_str(np.mean([c[-1][0] for c in curves]))]
         reached = np.isfinite(reach)
         cells.append("-" if grpo_final is None else "never" if not reached.any() else
                      f"{tokens_str(np.nanmean(reach))} ({reached.sum()}/{len(reach)} reach)")

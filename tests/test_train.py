@@ -290,11 +290,13 @@ def test_compare_methods_at_equal_tokens(tmp_path):
     dirs = [run("g0", "grpo", (0.2, 0.4, 0.6)), run("g1", "grpo", (0.2, 0.2, 0.4)),
             run("t0", "twice", (0.2, 0.6, 0.8)), run("t1", "twice", (0.2, 0.4, 0.6))]
     table = report.compare_methods(dirs, checkpoints=2, png=str(tmp_path / "m.png")).splitlines()
-    assert table[0] == "| method | seeds | EM@100 | EM@200 | AUC | tokens to GRPO's final | steps | wall min |"
+    assert table[0] == ("| method | seeds | EM@100 | EM@200 | AUC | final EM | final tokens | tokens to GRPO's final "
+                        "| steps | wall min |")
     grpo, twice = table[2].split(" | "), table[3].split(" | ")
     assert grpo[:4] == ["| grpo", "2", "0.300 +- 0.100", "0.500 +- 0.100"]  # EM at 100 and at 200 tokens
     assert grpo[4] == "0.250 +- 0.050"  # AUC: (0.2 * 100 + 0.4 * 100) / 200 and (0.2 * 100 + 0.2 * 100) / 200
     assert twice[2:5] == ["0.500 +- 0.100", "0.700 +- 0.100", "0.350 +- 0.050"]
-    assert twice[5] == "150 (2/2 reach)"  # GRPO's final EM is 0.5: t0 reaches it at 100 tokens (0.6), t1 at 200
-    assert grpo[5] == "200 (1/2 reach)" and twice[6:] == ["2 +- 0", "1.0 +- 0.0 |"]  # steps, minutes
+    assert twice[5:7] == ["0.700 +- 0.100", "200"] and grpo[5] == "0.500 +- 0.100"  # final EM, its tokens
+    assert twice[7] == "150 (2/2 reach)"  # GRPO's final EM is 0.5: t0 reaches it at 100 tokens (0.6), t1 at 200
+    assert grpo[7] == "200 (1/2 reach)" and twice[8:] == ["2 +- 0", "1.0 +- 0.0 |"]  # steps, minutes
     assert (tmp_path / "m.png").stat().st_size > 1000
