@@ -72,9 +72,11 @@ compare-methods: install
 	  { echo "$$0 seed $$1 failed: see $(CMP)/$$0-seed$$1.log"; exit 255; }'
 	$(PY) report.py methods $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(CMP)/$(m)-seed$(s)))
 
-# Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages.
+# Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages; the methods.py rows
+# take their knobs from the world's trainer preset (configs/demo.cfg, or configs/chains.cfg for WORLD=data/chains).
+AUDIT_OUT ?= $(if $(filter data/tinyworld,$(WORLD)),runs/audit,runs/audit-$(notdir $(WORLD)))
 audit: install $(WORLD)/world.json
-	$(PY) audit.py --world $(WORLD) --out runs/audit
+	$(PY) audit.py --world $(WORLD) --out $(AUDIT_OUT)
 
 # Greedy exact match of a policy: make eval MODEL=runs/demo/twice/step_000030/policy
 MODEL ?= $(WORLD)/policy

@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import audit
+import methods
 import rollout
 
 WORDS = ["[UNK]", "<|im_end|>", "<search>", "</search>", "<answer>", "</answer>", "a", "b", "c"]
@@ -311,14 +312,17 @@ def test_cli_smoke(tiny_world, tmp_path):
     out = tmp_path / "audit"
     res = audit.main(audit.parse_args([
         "--world", tiny_world, "--out", str(out), "--decisions", "4", "--oracle_rollouts", "3", "--repeats", "2",
-        "--vine_k", "1,2", "--max_new_tokens", "6", "--max_turns", "1", "--progress", "false"]))
+        "--vine_k", "1,2", "--max_new_tokens", "6", "--max_turns", "1", "--progress", "false", "--learned_steps", "2"]))
     assert {p.name for p in out.iterdir()} >= {"audit.json", "audit.md", "audit_scatter.png"}
     saved = json.loads((out / "audit.json").read_text())
     md = (out / "audit.md").read_text()
     assert "| estimator | wrong-sign | wrong-sign (mean of R) | zero | corr | corr (mean of R) |" in md
     names = ["TWICE", "TWICE no shortcut", "TWICE budgeted", "independent", "independent as trainer", "GRPO",
-             "VinePPO K=1", "VinePPO K=2"]
+             "VinePPO K=1", "VinePPO K=2", "GiGPO", "HGPO", "IGPO", "SPA-RL", "AgentPRM"]
     assert list(saved["metrics"]) == names and all(f"| {n} |" in md for n in names)
+    assert all(saved["metrics"][n]["aux_tokens"] == 0 for n in ("GiGPO", "HGPO", "IGPO", "SPA-RL"))
+    assert {n: r["steps"] for n, r in saved["learned"].items()} == {"SPA-RL": 2, "AgentPRM": 2}
+    assert saved["config"]["train_config"].endswith("configs/demo.cfg") and saved["method_config"]["group_size"] == 5
     assert len(saved["decisions"]) == res["oracle"]["decisions"] >= 4
     for d in saved["decisions"]:
         assert -1 <= d["a"] <= 1 and 0 <= d["se"] <= 1 and all(len(v) == 2 for v in d["estimates"].values())
@@ -343,3 +347,59 @@ def test_shortcut_bias_is_per_decision_not_a_signed_mean():
     assert sc["noise_floor"] == 0.0 and sc["mean_abs_bias_se"] == 0.0
     assert sc["tokens_saved_per_decision"] == pytest.approx(8 * 4 / 6)
     assert sc["tokens_saved_share"] == pytest.approx(32 / 60)
+
+
+# --- the methods.py rows: the method's own turn_advantages, F_r's decision turn, learned estimators trained ---
+@pytest.fixture(scope="module")
+def method_setup():
+    """Two prompts with a 2-turn factual episode each (decisions t = 0, 1: a search, then a successful answer),
+    R = 2 re-rolls, G - 1 = 2 fresh lines."""
+    model, tok = make_policy()
+    retr = FakeRetriever()
+    other = {"id": "q1", "question": "b or a", "golden_answers": ["a"]}
+    lines = [rollout.run_episodes(model, tok, retr, rollout.start_episodes(tok, [q], 2, 0, 64), PROTO)
+             for q in (QUESTION, other)]
+    episodes = [next(e for e in eps if len(e.turns) == 2 and e.turns[0].action == "search" and e.reward == 1)
+                for eps in lines]
+    c = cfg(repeats=2, group_size=3)
+    decisions = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    facts = audit.reroll(model, tok, retr, episodes, decisions, c, PROTO)
+    line_eps = audit.group_lines(model, tok, retr, [QUESTION, other], c, PROTO)
+    return (audit.method_run(model, tok, retr), audit.method_config(c), facts, line_eps, decisions,
+            audit.method_calls(facts, line_eps, decisions, 2), [QUESTION, other])
+
+
+def test_method_row_is_the_methods_advantage_at_the_decision_turn(method_setup):
+    """GiGPO's row equals methods.GiGPO().turn_advantages on the hand-built group [F_r, the prompt's lines of repeat r]
+    at F_r's decision turn t (and not at the other turn), though the audit batches both prompts in one call."""
+    run, mcfg, facts, line_eps, decisions, calls, _ = method_setup
+    assert [len(eps) for _, _, eps in calls] == [6] * 4  # (t, r) calls, each with both prompts' groups of 3
+    est, aux = audit.method_estimates(methods.GiGPO(mcfg), run, calls, (4, 2), PROTO, 0)
+    assert np.all(aux == 0)
+    bites = 0
+    for n, (i, t) in enumerate(decisions):
+        for r in range(2):
+            f = facts[n * 2 + r]
+            group = [audit.rekeyed(f, t, r), *line_eps[i][r]]
+            adv, _ = methods.GiGPO(mcfg).turn_advantages(run, 0, group, PROTO)
+            assert est[n, r] == pytest.approx(adv[0][t], abs=1e-12), (n, r)
+            bites += len(adv[0]) == 2 and abs(adv[0][t] - adv[0][1 - t]) > 1e-6
+            assert group[0].ids == f.ids and group[0].key != f.key  # the same episode, its own continuation key
+    assert bites, "GiGPO's advantage is the same at both turns everywhere: the test would not catch a wrong turn"
+
+
+@pytest.mark.parametrize("name", ["spa_rl", "agentprm"])
+def test_learned_rows_train_their_estimator(method_setup, name):
+    """pretrain moves the estimator off its zero head through the method's own turn_advantages; every scoring call
+    then restarts from that state, so the estimates do not depend on the calls before them."""
+    run, mcfg, *_, calls, rows = method_setup
+    method = methods.METHODS[name](dataclasses.replace(mcfg, lr=1e-3, prompts_per_step=8, micro_batch_size=32))
+    rec = audit.pretrain(method, run, rows, 3, PROTO)
+    assert len(rec["losses"]) == 3 and all(math.isfinite(x) for x in rec["losses"]) and rec["rollout_tokens"] > 0
+    assert (rec["aux_tokens"] > 0) == (name == "agentprm")  # AgentPRM's Monte Carlo continuations
+    assert method.est.net.head.weight.abs().sum() > 0  # the head starts at zero (DEVIATION L1)
+    head = method.est.net.head.weight.detach().clone()
+    est, aux = audit.method_estimates(method, run, calls, (4, 2), PROTO, 3)
+    again, _ = audit.method_estimates(method, run, calls[::-1], (4, 2), PROTO, 3)
+    assert np.all(np.isfinite(est)) and np.array_equal(est, again)
+    assert (aux.sum() > 0) == (name == "agentprm") and torch.equal(method.est.net.head.weight, head)
