@@ -13,8 +13,8 @@ Contract (DESIGN.md sections 3 and 10; Search-R1 compatible)
   -> {"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...] per query]};
   GET /health -> {"status": "ok", "n_rows": N}. As in Search-R1, "queries": [] answers {"result": []} and "" is a query
   like any other. Served by uvicorn (as Search-R1); `--workers` encoder threads (default: CPU cores // torch threads,
-  1 on a GPU) each take a round of the waiting requests' queries, round-robin, SLICE_QUERIES at a time, so concurrent
-  requests share forwards and a huge one does not stall the rest.
+  1 on a GPU) each take a round of the waiting requests' queries (ROUND_TOKENS tokens), round-robin, SLICE_QUERIES
+  at a time, so concurrent requests share forwards and a huge one does not stall the rest.
 
 Determinism: a query's results are a pure function of its text, whatever batch it comes in (a twin episode,
 DESIGN.md section 5, replays a query inside another batch and must see the same documents):
@@ -24,8 +24,8 @@ DESIGN.md section 5, replays a query inside another batch and must see the same 
       (1a) BERT encoders (MiniLM, E5) in float32 on a CPU: the queries' tokens are laid back to back, unpadded, in one
            (PACK_TOKENS, H) matrix (a longer query alone, its length rounded up to a multiple); the linear layers see
            only that shape, attention and mean pooling run per query over its own tokens (`Encoder._forward_packed`).
-           BertModel's forward up to float rounding (< 2e-6 per coordinate); no padding, so ~3.3 ms per query on one
-           core against ~5 ms for (1b) (mean token length 14 against ~20 padded).
+           BertModel's forward up to float rounding (< 2e-6 per coordinate); no padding, so 3.9 ms per query on one
+           core against 5.6 ms for (1b) in rounds of 32 benchmark queries (14 tokens each, ~20 padded).
       (1b) any other encoder or device: QUERY_ROWS rows (spare rows are copies of a real one), each padded to the
            query's token length rounded up to LENGTH_STEP.
       Both measured bit-identical across shufflings of the queries (tests: alone, in any batch, at any offset). The
@@ -112,10 +112,10 @@ PACK_TOKENS = 128  # token rows of every packed query forward, Determinism (1a);
 QUERY_ROWS = 8  # rows of every padded query forward, Determinism (1b)
 LENGTH_STEP = 8  # (1b): query token lengths are padded up to a multiple of this: fewer shapes, fuller batches
 MAX_QUERIES = 10_000  # queries per request (Search-R1's trainer sends <= 512 x 5 per turn), DEVIATION S10
-SLICE_QUERIES = 16  # queries a request gets per turn of the server's round-robin
-ROUND_QUERIES = 32  # queries encoded together per round, at most (about 4 packs of PACK_TOKENS): a small request
-#                     waits for a round in progress, then its own; 64 encoded only ~3% faster per query
-SHARE_QUERIES = 16  # queries waiting before a second worker starts a round beside a busy one (~2 packs)
+SLICE_QUERIES = 8  # queries a request gets per turn of the server's round-robin
+ROUND_TOKENS = 2 * PACK_TOKENS - 8  # query tokens encoded together per round, at most: a request waits for a round in
+#   progress, then its own. Two packs, less a little so that longest-first packing rarely needs a third: packs 93%
+#   full on the benchmark's queries, against 82% for rounds of 16 queries (64: 91%, but 4x longer waits)
 BACKLOG = 2048  # listen queue (uvicorn's default; http.server's 5 dropped SYNs: 1 s retransmit tails)
 HEAD_TIMEOUT, BODY_TIMEOUT = 30.0, 60.0  # seconds a client may take to send a request head, then its body
 INDEX_FILE, OFFSETS_FILE, META_FILE = "index.faiss", "offsets.npy", "meta.json"
@@ -214,6 +214,12 @@ class Encoder:
             rows = order[start:start + self.batch_size]
             out[rows] = self._embed([texts[i] for i in rows])
         return out
+
+    def query_tokens(self, queries: list) -> list:
+        """Token count of each query as encoded (prefix, truncation): the server's measure of a round."""
+        with self._tokenizer_lock:
+            ids = self.tokenizer([self.query_prefix + q for q in queries], max_length=self.max_length, truncation=True)
+        return [len(x) for x in ids["input_ids"]]
 
     def _encode_queries(self, texts: list, out: np.ndarray) -> np.ndarray:
         """Determinism (1): a query's forward has a shape of its own, whatever queries come with it."""
@@ -631,31 +637,37 @@ def _wire(doc: dict, return_scores: bool) -> dict:
 class Job:
     """One request's queries, answered slice by slice."""
 
-    def __init__(self, queries: list, topk: int):
+    def __init__(self, queries: list, topk: int, costs: list):
         self.items, self.done, self.next = [(query, topk) for query in queries], [None] * len(queries), 0
+        self.costs = costs  # per query, in the units of the round budget (tokens)
         self.left = len(queries)  # queries not answered yet: with several workers, slices finish in any order
         self.future = concurrent.futures.Future()
 
 
 class Batcher:
     """The threads that encode for the server (`workers`, each searching one round at a time). Each round takes up to
-    SLICE_QUERIES queries from each waiting request in turn (round-robin), up to ROUND_QUERIES, and searches them
-    together: concurrent requests share forwards, and a request of thousands of queries is split so that small ones
-    interleave with it."""
+    SLICE_QUERIES queries from each waiting request in turn (round-robin), until the next one would pass the round's
+    budget (`round_cost`; cost(queries) gives each one's, e.g. its tokens; default 1), and searches them together:
+    concurrent requests share forwards, and a request of thousands of queries is split so that small ones interleave
+    with it. An idle worker starts a round beside a busy one only once a full round waits."""
 
-    def __init__(self, retriever, slice_queries: int = SLICE_QUERIES, round_queries: int = ROUND_QUERIES,
-                 workers: int = 1):
-        self.retriever, self.slice, self.round, self.workers = retriever, slice_queries, round_queries, workers
+    def __init__(self, retriever, slice_queries: int = SLICE_QUERIES, round_cost: int = ROUND_TOKENS, workers: int = 1,
+                 cost=None):
+        self.retriever, self.slice, self.round, self.workers = retriever, slice_queries, round_cost, workers
+        self.cost = cost or (lambda queries: [1] * len(queries))
         self._waiting, self._wake, self._closed = collections.deque(), threading.Condition(), False
         self._queued = self._idle = 0  # queries not yet taken; workers waiting for a round
         for i in range(workers):
             threading.Thread(target=self._loop, daemon=True, name=f"retriever-batcher-{i}").start()
 
     def submit(self, queries: list, topk: int) -> concurrent.futures.Future:
-        job = Job(queries, topk)
+        job = Job(queries, topk, self.cost(queries) if queries else [])
+        if not queries:  # Search-R1's trainer sends [] when no rollout searched
+            job.future.set_result([])
+            return job.future
         with self._wake:
             self._waiting.append(job)
-            self._queued += len(queries)
+            self._queued += sum(job.costs)
             self._wake.notify()
         return job.future
 
@@ -668,22 +680,26 @@ class Batcher:
         """[(job, start, end), ...]: round-robin slices; a job with queries left goes back to the end of the line."""
         with self._wake:
             self._idle += 1
-            # a worker joins busy ones only for SHARE_QUERIES or more: a round of a few queries fills a pack badly
-            while not self._closed and (not self._waiting
-                                        or self._idle < self.workers and self._queued < SHARE_QUERIES):
+            # beside a busy worker, only a full round starts: a few queries would fill their packs badly
+            while not self._closed and (not self._waiting or self._idle < self.workers and self._queued < self.round):
                 self._wake.wait()
-            # what waits is shared with the idle workers: one taking everything would leave the others idle
-            taken, budget = [], min(self.round, max(SHARE_QUERIES, -(-self._queued // self._idle)))
+            taken, budget = [], self.round
             self._idle -= 1
-            while self._waiting and budget > 0:
-                job = self._waiting.popleft()
-                start = job.next
-                job.next = min(start + self.slice, start + budget, len(job.items))
-                taken.append((job, start, job.next))
-                budget -= job.next - start
-                if job.next < len(job.items):
+            while self._waiting:
+                job = self._waiting[0]
+                start = end = job.next
+                stop = min(start + self.slice, len(job.items))
+                while end < stop and (job.costs[end] <= budget or not taken and end == start):  # one query at least
+                    budget -= job.costs[end]
+                    end += 1
+                if end == start:  # its next query does not fit: the round is full
+                    break
+                self._waiting.popleft()
+                job.next = end
+                taken.append((job, start, end))
+                self._queued -= sum(job.costs[start:end])
+                if end < len(job.items):
                     self._waiting.append(job)
-            self._queued -= sum(end - start for _, start, end in taken)
             if self._waiting:
                 self._wake.notify()  # the next idle worker takes the rest
             return taken
@@ -740,13 +756,17 @@ def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_querie
         except ValueError as e:
             return _error(400, str(e))
         loop = asyncio.get_running_loop()
+
+        def parse_and_submit() -> tuple:  # submitting tokenizes the queries (the rounds' measure)
+            queries, topk, return_scores = parse_body(body, default_topk, max_queries)
+            return batcher.submit(queries, topk), return_scores
+
         try:
-            queries, topk, return_scores = await loop.run_in_executor(None, parse_body, body, default_topk,
-                                                                      max_queries)
+            answered, return_scores = await loop.run_in_executor(None, parse_and_submit)
         except ValueError as e:  # DEVIATION S3: 400 naming the field (FastAPI: 422 in its own shape)
             return _error(400, str(e))
         try:
-            results = await asyncio.wrap_future(batcher.submit(queries, topk)) if queries else []
+            results = await asyncio.wrap_future(answered)
         except Exception as e:  # keep serving; the client sees why
             return _error(500, f"{type(e).__name__}: {e}")
         data = await loop.run_in_executor(None, lambda: json.dumps(
@@ -786,7 +806,8 @@ def default_workers(device: torch.device) -> int:
     """Encoder threads of the server: on a CPU as many forwards at once as the cores hold at torch's thread count
     (OMP_NUM_THREADS=1 on 2 cores: 2; results do depend on that thread count, not on the number of workers); 1 on a
     GPU."""
-    return max(1, len(os.sched_getaffinity(0)) // torch.get_num_threads()) if device.type == "cpu" else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // torch.get_num_threads()) if device.type == "cpu" else 1
 
 
 class RetrievalServer:
@@ -797,7 +818,8 @@ class RetrievalServer:
                  max_queries: int = MAX_QUERIES, head_timeout: float = HEAD_TIMEOUT,
                  body_timeout: float = BODY_TIMEOUT, workers=None):
         workers = workers or default_workers(retriever.encoder.device)
-        self.retriever, self.batcher = retriever, Batcher(retriever, workers=workers)
+        self.batcher = Batcher(retriever, workers=workers, cost=retriever.encoder.query_tokens)
+        self.retriever = retriever
         self.socket = socket.create_server((host, port), backlog=BACKLOG)
         self.server_port = self.socket.getsockname()[1]
         protocol = type("_Protocol", (_DeadlineH11,), {"head_timeout": head_timeout})

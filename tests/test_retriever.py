@@ -544,7 +544,8 @@ def test_search_r1_launch_line(world, fresh, tmp_path):
 
 
 def test_batcher_splits_big_requests_round_robin():
-    """A request of 100 queries goes in slices of 16 (32 a round); a 3-query one sent meanwhile rides in round 2."""
+    """A request of 100 queries goes in slices of 8 (16 a round); a 3-query one sent meanwhile rides in round 2.
+    With token costs, a round stops before the query that would pass its budget; a longer query goes alone."""
     gate, calls = threading.Event(), []
 
     class Recorder:
@@ -553,21 +554,30 @@ def test_batcher_splits_big_requests_round_robin():
             gate.wait(10)
             return [[{"id": query}] for query, _ in items]
 
-    batcher = R.Batcher(Recorder())
+    batcher = R.Batcher(Recorder(), round_cost=16)
     big = batcher.submit([f"b{i}" for i in range(100)], 3)
     while not calls:
         time.sleep(0.01)
     small = batcher.submit(["s0", "s1", "s2"], 3)
     gate.set()
     assert small.result(10) == [[{"id": "s0"}], [{"id": "s1"}], [{"id": "s2"}]]
-    assert [len(c) for c in calls] == [32, 32, 32, 7] and calls[1][16:19] == ["s0", "s1", "s2"]  # b48..b60 next
+    assert [len(c) for c in calls] == [16] * 6 + [7] and calls[1][8:11] == ["s0", "s1", "s2"]  # b24..b28 next
     assert [docs[0]["id"] for docs in big.result(10)] == [f"b{i}" for i in range(100)]
+    batcher.close()
+
+    calls.clear()
+    batcher = R.Batcher(Recorder(), round_cost=100, cost=lambda queries: [int(q[1:]) for q in queries])
+    job = batcher.submit(["t30", "t30", "t30", "t20", "t150", "t5", "t90"], 3)
+    assert [docs[0]["id"] for docs in job.result(10)] == ["t30", "t30", "t30", "t20", "t150", "t5", "t90"]
+    assert calls == [["t30", "t30", "t30"], ["t20"], ["t150"], ["t5", "t90"]]  # 30 x 3 + 20 > 100: t20 waits
+    assert batcher.submit([], 3).result(1) == []
     batcher.close()
 
 
 def test_batcher_workers_share_rounds_and_finish_out_of_order():
-    """Two workers split 40 waiting queries 20 + 20; the second slice finishes first, the answer is still in order.
-    Fewer than SHARE_QUERIES waiting never start a round beside a busy worker."""
+    """Two workers take rounds of 16 out of 40 waiting queries; the second round finishes first, the answer is still
+    in order; the last 8 wait for a free worker. Less than a round's budget waiting never starts a round beside a
+    busy worker."""
     first_done, calls = threading.Event(), []
 
     class Recorder:
@@ -575,14 +585,14 @@ def test_batcher_workers_share_rounds_and_finish_out_of_order():
             calls.append([query for query, _ in items])
             if items[0][0] == "q0":
                 assert first_done.wait(10)  # the first round waits for the second one to finish
-            elif items[0][0] == "q20":
+            elif items[0][0] == "q16":
                 first_done.set()
             return [[{"id": query}] for query, _ in items]
 
-    batcher = R.Batcher(Recorder(), workers=2)
+    batcher = R.Batcher(Recorder(), round_cost=16, workers=2)
     job = batcher.submit([f"q{i}" for i in range(40)], 3)
     assert [docs[0]["id"] for docs in job.result(10)] == [f"q{i}" for i in range(40)]
-    assert sorted(len(c) for c in calls) == [20, 20]
+    assert [len(c) for c in calls] == [16, 16, 8] and calls[2][0] == "q32"
     batcher.close()
 
     gate, sizes = threading.Event(), []
@@ -593,15 +603,15 @@ def test_batcher_workers_share_rounds_and_finish_out_of_order():
             gate.wait(10)
             return [[{"id": query}] for query, _ in items]
 
-    batcher = R.Batcher(Slow(), workers=2)
+    batcher = R.Batcher(Slow(), round_cost=16, workers=2)
     first = batcher.submit(["a"], 3)
     while not sizes:
         time.sleep(0.01)
-    second = batcher.submit([f"b{i}" for i in range(R.SHARE_QUERIES - 1)], 3)
+    second = batcher.submit([f"b{i}" for i in range(15)], 3)
     time.sleep(0.3)
     assert sizes == [1]  # the idle worker waits: too few queries to fill its packs
     gate.set()
-    assert len(first.result(10)) == 1 and len(second.result(10)) == R.SHARE_QUERIES - 1
+    assert len(first.result(10)) == 1 and len(second.result(10)) == 15
     batcher.close()
 
 
