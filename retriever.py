@@ -108,7 +108,8 @@ MAX_TOPK = 100  # largest topk the server accepts
 CANDIDATE_MARGIN = 16  # extra FAISS candidates re-scored exactly, Determinism (2)
 FINGERPRINT_BYTES = 1 << 20  # bytes hashed at each end of the corpus
 MAX_BODY_BYTES = 16 << 20  # largest request body the server reads
-PACK_TOKENS = 128  # token rows of every packed query forward, Determinism (1a); per token as fast as 256 or 512 on CPU
+PACK_TOKENS = 128  # token rows of every packed query forward, Determinism (1a); per token within ~6% of 256 or 512
+#                   on CPU, and half their cost for a query alone
 QUERY_ROWS = 8  # rows of every padded query forward, Determinism (1b)
 LENGTH_STEP = 8  # (1b): query token lengths are padded up to a multiple of this: fewer shapes, fuller batches
 MAX_QUERIES = 10_000  # queries per request (Search-R1's trainer sends <= 512 x 5 per turn), DEVIATION S10
@@ -656,7 +657,7 @@ class Batcher:
         self.retriever, self.slice, self.round, self.workers = retriever, slice_queries, round_cost, workers
         self.cost = cost or (lambda queries: [1] * len(queries))
         self._waiting, self._wake, self._closed = collections.deque(), threading.Condition(), False
-        self._queued = self._idle = 0  # queries not yet taken; workers waiting for a round
+        self._queued = self._idle = 0  # cost (tokens) of the queries not yet taken; workers waiting for a round
         for i in range(workers):
             threading.Thread(target=self._loop, daemon=True, name=f"retriever-batcher-{i}").start()
 
