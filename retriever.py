@@ -12,19 +12,28 @@ Contract (DESIGN.md sections 3 and 10; Search-R1 compatible)
 - HTTP (Search-R1's retrieval server): POST /retrieve {"queries": [str, ...], "topk": k, "return_scores": bool}
   -> {"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...] per query]};
   GET /health -> {"status": "ok", "n_rows": N}. As in Search-R1, "queries": [] answers {"result": []} and "" is a query
-  like any other. Served by uvicorn (as Search-R1); one worker thread owns the encoder and serves waiting requests
-  round-robin, SLICE_QUERIES at a time, so concurrent requests share forwards and a huge one does not stall the rest.
+  like any other. Served by uvicorn (as Search-R1); `--workers` encoder threads (default: CPU cores // torch threads,
+  1 on a GPU) each take a round of the waiting requests' queries (ROUND_TOKENS tokens), round-robin, SLICE_QUERIES
+  at a time, so concurrent requests share forwards and a huge one does not stall the rest.
 
 Determinism: a query's results are a pure function of its text, whatever batch it comes in (a twin episode,
 DESIGN.md section 5, replays a query inside another batch and must see the same documents):
-  (1) every query forward has one fixed shape per query: QUERY_ROWS rows (spare rows are copies of a real one), each
-      padded to the query's token length rounded up to LENGTH_STEP. Matmul kernels are chosen by shape, so a query's
-      embedding no longer depends on its companions: measured bit-identical across 3 shufflings of 300 queries, where
-      batches of free size moved it by ~2e-7 (and a batch of 1 by ~7e-8 against 2+). Queries of any requests can thus
-      share a forward: ~5 ms per query on one CPU core against 17 ms encoded alone.
+  (1) every query forward has a shape that the query alone decides. Matmul kernels are chosen by shape, so its
+      embedding does not depend on its companions, where batches of free size moved it by ~2e-7 (and a batch of 1 by
+      ~7e-8 against 2+). Queries of any requests can thus share a forward.
+      (1a) BERT encoders (MiniLM, E5) in float32 on a CPU: the queries' tokens are laid back to back, unpadded, in one
+           (PACK_TOKENS, H) matrix (a longer query alone, its length rounded up to a multiple); the linear layers see
+           only that shape, attention and mean pooling run per query over its own tokens (`Encoder._forward_packed`).
+           BertModel's forward up to float rounding (< 2e-6 per coordinate); no padding, so 3.9 ms per query on one
+           core against 5.6 ms for (1b) in rounds of 32 benchmark queries (14 tokens each, ~20 padded).
+      (1b) any other encoder or device: QUERY_ROWS rows (spare rows are copies of a real one), each padded to the
+           query's token length rounded up to LENGTH_STEP.
+      Both measured bit-identical across shufflings of the queries (tests: alone, in any batch, at any offset). The
+      vectors do depend on torch's thread count (~1e-7), so the server and an in-process search compare at one count.
   (2) FAISS only proposes topk + CANDIDATE_MARGIN rows; each score is then recomputed from the stored float32 vectors
       as the exactly rounded sum of exact float64 products (math.fsum): a function of (query, row) alone. The batch
-      could only matter if more than CANDIDATE_MARGIN rows were within float32 rounding of the k-th score.
+      could only matter if more than CANDIDATE_MARGIN rows were within float32 rounding of the k-th score. Rows that
+      a float64 sum and its error bound rule out of the top k are not summed exactly (`exact_top`): same answer.
 
 Deviations from Search-R1 (README "Deviations"; tagged `# DEVIATION S<n>:` in the code)
 S1. Scores are the exact inner products of (2), not FAISS's float32 sums (they differ by ~1e-7).
@@ -40,13 +49,14 @@ S12. A request head must arrive within HEAD_TIMEOUT s and its body within BODY_T
      uvicorn alone waits for ever. JSON nested too deeply for the parser gets 400.
 S13. It listens on 127.0.0.1 unless --host 0.0.0.0 is given (Search-R1 always binds 0.0.0.0), and the encoder runs
      in float32 unless --fp16 is given (Search-R1's launcher always uses fp16).
-S14. Queries are encoded in fixed-shape batches, Determinism (1) (Search-R1 pads free-size batches of 512).
+S14. Queries are encoded in packs or fixed-shape batches, Determinism (1) (Search-R1 pads free-size batches of 512).
 
 Commands
   # tiny world (CPU): build, query, serve
   python retriever.py build --corpus data/tinyworld/corpus.jsonl --encoder minilm --out data/tinyworld/index
   python retriever.py search --index data/tinyworld/index --topk 3 "who founded the city"
   python retriever.py serve --index data/tinyworld/index --port 8000
+  OMP_NUM_THREADS=1 python retriever.py serve --index data/tinyworld/index  # CPU: a worker per core, 1 thread each
   # wiki-18 with Search-R1's prebuilt E5 flat index (no re-encoding), searched on the GPUs when there are any
   python retriever.py describe-prebuilt --index_file e5_Flat.index --corpus wiki-18.jsonl --out data/wiki18/index
   python retriever.py serve --index data/wiki18/index --host 0.0.0.0 --port 8000 --fp16
@@ -98,11 +108,15 @@ MAX_TOPK = 100  # largest topk the server accepts
 CANDIDATE_MARGIN = 16  # extra FAISS candidates re-scored exactly, Determinism (2)
 FINGERPRINT_BYTES = 1 << 20  # bytes hashed at each end of the corpus
 MAX_BODY_BYTES = 16 << 20  # largest request body the server reads
-QUERY_ROWS = 8  # rows of every query forward, Determinism (1); 8 was the fastest per query of 4, 8, 16 on CPU
-LENGTH_STEP = 8  # query token lengths are padded up to a multiple of this: fewer shapes, fuller batches
+PACK_TOKENS = 128  # token rows of every packed query forward, Determinism (1a); per token within ~6% of 256 or 512
+#                   on CPU, and half their cost for a query alone
+QUERY_ROWS = 8  # rows of every padded query forward, Determinism (1b)
+LENGTH_STEP = 8  # (1b): query token lengths are padded up to a multiple of this: fewer shapes, fuller batches
 MAX_QUERIES = 10_000  # queries per request (Search-R1's trainer sends <= 512 x 5 per turn), DEVIATION S10
-SLICE_QUERIES = 32  # queries a request gets per turn of the server's round-robin
-ROUND_QUERIES = 64  # queries encoded together per round (8 forwards of QUERY_ROWS)
+SLICE_QUERIES = 8  # queries a request gets per turn of the server's round-robin
+ROUND_TOKENS = 2 * PACK_TOKENS - 8  # query tokens encoded together per round, at most: a request waits for a round in
+#   progress, then its own. Two packs, less a little so that longest-first packing rarely needs a third: packs 93%
+#   full on the benchmark's queries, against 82% for rounds of 16 queries (64: 91%, but 4x longer waits)
 BACKLOG = 2048  # listen queue (uvicorn's default; http.server's 5 dropped SYNs: 1 s retransmit tails)
 HEAD_TIMEOUT, BODY_TIMEOUT = 30.0, 60.0  # seconds a client may take to send a request head, then its body
 INDEX_FILE, OFFSETS_FILE, META_FILE = "index.faiss", "offsets.npy", "meta.json"
@@ -152,6 +166,25 @@ def check_queries(queries, max_queries: int = MAX_QUERIES) -> list:
     return list(queries)
 
 
+def pack_queries(lengths: list, size: int) -> list:
+    """Query indices -> packs of at most `size` tokens: longest first, each pack topped up with the longest that still
+    fit; a query longer than `size` gets a pack of its own. Determinism (1a): which queries share a pack changes no
+    number, so the choice only decides how few packs there are."""
+    by_length = collections.defaultdict(collections.deque)
+    for i, n in enumerate(lengths):
+        by_length[n].append(i)
+    packs, order = [], sorted(by_length, reverse=True)
+    while order:
+        pack, free = [], size
+        for n in order:
+            while by_length[n] and (n <= free or not pack):
+                pack.append(by_length[n].popleft())
+                free -= n
+        packs.append(pack)
+        order = [n for n in order if by_length[n]]
+    return packs
+
+
 class Encoder:
     """Texts -> unit vectors (float32, (n, dim)): last hidden states, mean pooling over the mask, L2 normalisation."""
 
@@ -165,6 +198,10 @@ class Encoder:
         dtype = torch.float16 if fp16 else torch.float32
         self.model = AutoModel.from_pretrained(path, dtype=dtype).to(self.device).eval()
         self.dim = self.model.config.hidden_size
+        config = self.model.config  # Determinism (1a) re-implements BertModel's forward: BERT in float32 on a CPU only
+        self.packed = (self.device.type == "cpu" and dtype == torch.float32 and config.model_type == "bert"
+                       and getattr(config, "position_embedding_type", "absolute") == "absolute")
+        self._tokenizer_lock = threading.Lock()  # a fast tokenizer called from two threads fails ("Already borrowed")
 
     def encode(self, texts: list, kind: str) -> np.ndarray:
         if kind not in ("query", "passage"):
@@ -179,11 +216,23 @@ class Encoder:
             out[rows] = self._embed([texts[i] for i in rows])
         return out
 
+    def query_tokens(self, queries: list) -> list:
+        """Token count of each query as encoded (prefix, truncation): the server's measure of a round."""
+        with self._tokenizer_lock:
+            ids = self.tokenizer([self.query_prefix + q for q in queries], max_length=self.max_length, truncation=True)
+        return [len(x) for x in ids["input_ids"]]
+
     def _encode_queries(self, texts: list, out: np.ndarray) -> np.ndarray:
-        """Determinism (1): forwards of QUERY_ROWS rows padded to a length bucket, so a query's shape is its own."""
-        features = self.tokenizer(texts, max_length=self.max_length, truncation=True)
+        """Determinism (1): a query's forward has a shape of its own, whatever queries come with it."""
+        with self._tokenizer_lock:
+            features = self.tokenizer(texts, max_length=self.max_length, truncation=True)
+        if self.packed:
+            ids = features["input_ids"]
+            for pack in pack_queries([len(x) for x in ids], PACK_TOKENS):
+                out[pack] = self._forward_packed([ids[i] for i in pack])
+            return out
         rows = [{key: values[i] for key, values in features.items()} for i in range(len(texts))]
-        buckets = collections.defaultdict(list)  # padded length -> indices of texts
+        buckets = collections.defaultdict(list)  # (1b): padded length -> indices of texts
         for i, row in enumerate(rows):
             length = len(row["input_ids"])
             buckets[min(-(-length // LENGTH_STEP) * LENGTH_STEP, self.max_length)].append(i)
@@ -191,13 +240,46 @@ class Encoder:
             for start in range(0, len(members), QUERY_ROWS):
                 part = members[start:start + QUERY_ROWS]
                 batch = [rows[i] for i in part] + [rows[part[0]]] * (QUERY_ROWS - len(part))  # S14: spare copies
-                padded = self.tokenizer.pad(batch, padding="max_length", max_length=length, return_tensors="pt")
+                with self._tokenizer_lock:
+                    padded = self.tokenizer.pad(batch, padding="max_length", max_length=length, return_tensors="pt")
                 out[part] = self._pool(padded)[:len(part)]
         return out
 
+    @torch.inference_mode()
+    def _forward_packed(self, seqs: list) -> np.ndarray:
+        """Determinism (1a): BertModel's forward over queries laid back to back, without padding, in one matrix of
+        PACK_TOKENS rows (a longer query alone, rounded up to a multiple): every matmul sees that one shape, and
+        attention and pooling run per query over its own tokens. Token ids per query -> unit vectors (n, H)."""
+        model, config = self.model, self.model.config
+        lengths = [len(s) for s in seqs]
+        used = sum(lengths)
+        rows = -(-used // PACK_TOKENS) * PACK_TOKENS
+        ids = torch.zeros(1, rows, dtype=torch.long)  # spare rows: token 0 at position 0, attended by no query
+        positions = torch.zeros(1, rows, dtype=torch.long)
+        ids[0, :used] = torch.tensor([token for s in seqs for token in s])
+        positions[0, :used] = torch.tensor([p for n in lengths for p in range(n)])
+        hidden = model.embeddings(input_ids=ids, position_ids=positions, token_type_ids=torch.zeros_like(ids))[0]
+        ends = np.cumsum(lengths).tolist()
+        spans = list(zip([0] + ends[:-1], ends))
+        heads = config.num_attention_heads
+        size = config.hidden_size // heads
+        spare = hidden.new_zeros(1, heads, rows - used, size)
+        for layer in model.encoder.layer:  # BertLayer: self-attention, output + residual + LayerNorm, feed-forward
+            att = layer.attention.self
+            q, k, v = (f(hidden).view(1, rows, heads, size).transpose(1, 2) for f in (att.query, att.key, att.value))
+            context = [torch.nn.functional.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                                                        scale=size ** -0.5) for a, b in spans]
+            context = torch.cat(context + [spare], 2).transpose(1, 2).reshape(rows, -1)  # (rows, H)
+            hidden = layer.attention.output(context, hidden)
+            hidden = layer.output(layer.intermediate(hidden), hidden)  # (rows, H)
+        pooled = torch.stack([hidden[a:b].sum(0) / (b - a) for a, b in spans])  # (n, H) mean over each query's tokens
+        return torch.nn.functional.normalize(pooled, dim=-1).numpy()
+
     def _embed(self, texts: list) -> np.ndarray:
-        return self._pool(self.tokenizer(texts, max_length=self.max_length, truncation=True, padding=True,
-                                         return_tensors="pt"))
+        with self._tokenizer_lock:
+            batch = self.tokenizer(texts, max_length=self.max_length, truncation=True, padding=True,
+                                   return_tensors="pt")
+        return self._pool(batch)
 
     @torch.inference_mode()
     def _pool(self, batch) -> np.ndarray:
@@ -379,6 +461,20 @@ def load_vectors(index_path: str, meta: dict, gpu: bool) -> tuple:
     return vectors, faiss.index_cpu_to_all_gpus(vectors, co=options)
 
 
+def exact_top(rows: np.ndarray, products: np.ndarray, topk: int) -> tuple:
+    """Determinism (2): the topk rows by exact score sum_i p_i (math.fsum of the exact float64 products, (k, dim)),
+    ties to the lower row -> (rows, scores). Only rows that float64 sums cannot rule out are summed exactly: any order
+    of summing n terms is within (n - 1) u sum_i |p_i| of the exact sum (u = 2^-53; 4 n u here, for margin), so a row
+    whose upper bound is below every lower bound of the float64 top k can be neither in the top k nor tied with it."""
+    approx = products.sum(1)  # (k,)
+    slack = 4 * products.shape[1] * 2.0 ** -53 * np.abs(products).sum(1)  # (k,) bound on |approx - exact|
+    top = np.argsort(-approx, kind="stable")[:topk]
+    keep = approx + slack >= (approx[top] - slack[top]).min()  # the float64 top k always stays
+    rows, scores = rows[keep], np.array([math.fsum(p) for p in products[keep].tolist()])
+    best = np.lexsort((rows, -scores))[:topk]
+    return rows[best], scores[best]
+
+
 class DenseRetriever:
     """In-process retriever over an index folder; `search` is thread safe and a pure function of each query."""
 
@@ -403,7 +499,7 @@ class DenseRetriever:
         self.cache_size, self._cache = cache_size, OrderedDict()  # (query, topk) -> docs, least recent first
         self.cache_hits = self.cache_misses = 0  # per distinct (query, topk) of each call
         self._cache_lock = threading.Lock()  # held for lookups only: a cache hit never waits for an encoding
-        self._compute_lock = threading.Lock()  # the encoder and the FAISS index are shared by threads
+        self._index_lock = threading.Lock()  # FAISS's GPU indexes are not thread safe; the encoder is
 
     def _row(self, i: int) -> dict:
         start = int(self.offsets[i])
@@ -434,14 +530,13 @@ class DenseRetriever:
             misses = [key for key in keys if key not in found]
             self.cache_hits, self.cache_misses = self.cache_hits + len(found), self.cache_misses + len(misses)
         if misses:
-            with self._compute_lock:
-                vecs = self.encoder.encode([query for query, _ in misses], "query")
-                by_topk = collections.defaultdict(list)  # one FAISS call per topk: k = topk + margin as alone
-                for i, (_, topk) in enumerate(misses):
-                    by_topk[topk].append(i)
-                for topk, rows in by_topk.items():
-                    for i, docs in zip(rows, self._search_vectors(vecs[rows], topk)):
-                        found[misses[i]] = docs
+            vecs = self.encoder.encode([query for query, _ in misses], "query")  # the server's workers: at once
+            by_topk = collections.defaultdict(list)  # one FAISS call per topk: k = topk + margin as alone
+            for i, (_, topk) in enumerate(misses):
+                by_topk[topk].append(i)
+            for topk, rows in by_topk.items():
+                for i, docs in zip(rows, self._search_vectors(vecs[rows], topk)):
+                    found[misses[i]] = docs
             with self._cache_lock:
                 for key in misses:
                     self._remember(key, found[key])
@@ -449,14 +544,14 @@ class DenseRetriever:
 
     def _search_vectors(self, vecs: np.ndarray, topk: int) -> list:
         k = min(topk + CANDIDATE_MARGIN, self.n_rows)  # DEVIATION S2: never more rows than the corpus has
-        _, candidates = self.index.search(vecs, k)  # (Q, k) rows; FAISS's own scores depend on the batch
+        with self._index_lock:
+            _, candidates = self.index.search(vecs, k)  # (Q, k) rows; FAISS's own scores depend on the batch
         results = []
         for query, rows in zip(vecs.astype(np.float64), candidates):
             rows = rows[rows >= 0]
             products = self.vectors.reconstruct_batch(rows).astype(np.float64) * query  # (k, dim), exact
-            scores = np.array([math.fsum(p) for p in products.tolist()])  # DEVIATION S1: exact, Determinism (2)
-            best = np.lexsort((rows, -scores))[:topk]
-            results.append([{**self._row(int(rows[j])), "score": float(scores[j])} for j in best])
+            best, scores = exact_top(rows, products, topk)  # DEVIATION S1: exact scores, Determinism (2)
+            results.append([{**self._row(int(row)), "score": float(score)} for row, score in zip(best, scores)])
         return results
 
     def _remember(self, key, docs: list) -> list:
@@ -543,63 +638,92 @@ def _wire(doc: dict, return_scores: bool) -> dict:
 class Job:
     """One request's queries, answered slice by slice."""
 
-    def __init__(self, queries: list, topk: int):
+    def __init__(self, queries: list, topk: int, costs: list):
         self.items, self.done, self.next = [(query, topk) for query in queries], [None] * len(queries), 0
+        self.costs = costs  # per query, in the units of the round budget (tokens)
+        self.left = len(queries)  # queries not answered yet: with several workers, slices finish in any order
         self.future = concurrent.futures.Future()
 
 
 class Batcher:
-    """The single thread that encodes for the server. Each round takes up to SLICE_QUERIES queries from each waiting
-    request in turn (round-robin), up to ROUND_QUERIES, and searches them together: concurrent requests share
-    forwards, and a request of thousands of queries is split so that small ones interleave with it."""
+    """The threads that encode for the server (`workers`, each searching one round at a time). Each round takes up to
+    SLICE_QUERIES queries from each waiting request in turn (round-robin), until the next one would pass the round's
+    budget (`round_cost`; cost(queries) gives each one's, e.g. its tokens; default 1), and searches them together:
+    concurrent requests share forwards, and a request of thousands of queries is split so that small ones interleave
+    with it. An idle worker starts a round beside a busy one only once a full round waits."""
 
-    def __init__(self, retriever, slice_queries: int = SLICE_QUERIES, round_queries: int = ROUND_QUERIES):
-        self.retriever, self.slice, self.round = retriever, slice_queries, round_queries
+    def __init__(self, retriever, slice_queries: int = SLICE_QUERIES, round_cost: int = ROUND_TOKENS, workers: int = 1,
+                 cost=None):
+        self.retriever, self.slice, self.round, self.workers = retriever, slice_queries, round_cost, workers
+        self.cost = cost or (lambda queries: [1] * len(queries))
         self._waiting, self._wake, self._closed = collections.deque(), threading.Condition(), False
-        threading.Thread(target=self._loop, daemon=True, name="retriever-batcher").start()
+        self._queued = self._idle = 0  # cost (tokens) of the queries not yet taken; workers waiting for a round
+        for i in range(workers):
+            threading.Thread(target=self._loop, daemon=True, name=f"retriever-batcher-{i}").start()
 
     def submit(self, queries: list, topk: int) -> concurrent.futures.Future:
-        job = Job(queries, topk)
+        job = Job(queries, topk, self.cost(queries) if queries else [])
+        if not queries:  # Search-R1's trainer sends [] when no rollout searched
+            job.future.set_result([])
+            return job.future
         with self._wake:
             self._waiting.append(job)
+            self._queued += sum(job.costs)
             self._wake.notify()
         return job.future
 
     def close(self):
         with self._wake:
             self._closed = True
-            self._wake.notify()
+            self._wake.notify_all()
 
     def _next_round(self) -> list:
         """[(job, start, end), ...]: round-robin slices; a job with queries left goes back to the end of the line."""
         with self._wake:
-            while not self._waiting and not self._closed:
+            self._idle += 1
+            # beside a busy worker, only a full round starts: a few queries would fill their packs badly
+            while not self._closed and (not self._waiting or self._idle < self.workers and self._queued < self.round):
                 self._wake.wait()
             taken, budget = [], self.round
-            while self._waiting and budget > 0:
-                job = self._waiting.popleft()
-                start = job.next
-                job.next = min(start + self.slice, start + budget, len(job.items))
-                taken.append((job, start, job.next))
-                budget -= job.next - start
-                if job.next < len(job.items):
+            self._idle -= 1
+            while self._waiting:
+                job = self._waiting[0]
+                start = end = job.next
+                stop = min(start + self.slice, len(job.items))
+                while end < stop and (job.costs[end] <= budget or not taken and end == start):  # one query at least
+                    budget -= job.costs[end]
+                    end += 1
+                if end == start:  # its next query does not fit: the round is full
+                    break
+                self._waiting.popleft()
+                job.next = end
+                taken.append((job, start, end))
+                self._queued -= sum(job.costs[start:end])
+                if end < len(job.items):
                     self._waiting.append(job)
+            if self._waiting:
+                self._wake.notify()  # the next idle worker takes the rest
             return taken
 
     def _loop(self):
         while not self._closed:
             taken = self._next_round()
+            if not taken:  # closed
+                continue
             try:
                 docs = self.retriever.search_batch([item for job, a, b in taken for item in job.items[a:b]])
             except Exception as e:  # keep serving; these requests see why
-                for job, _, _ in taken:
-                    if not job.future.done():
-                        job.future.set_exception(e)
+                with self._wake:
+                    for job, _, _ in taken:
+                        if not job.future.done():
+                            job.future.set_exception(e)
                 continue
-            for job, start, end in taken:
-                job.done[start:end], docs = docs[:end - start], docs[end - start:]
-                if end == len(job.items) and not job.future.done():
-                    job.future.set_result(job.done)
+            with self._wake:
+                for job, start, end in taken:
+                    job.done[start:end], docs = docs[:end - start], docs[end - start:]
+                    job.left -= end - start
+                    if job.left == 0 and not job.future.done():
+                        job.future.set_result(job.done)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -633,13 +757,17 @@ def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_querie
         except ValueError as e:
             return _error(400, str(e))
         loop = asyncio.get_running_loop()
+
+        def parse_and_submit() -> tuple:  # submitting tokenizes the queries (the rounds' measure)
+            queries, topk, return_scores = parse_body(body, default_topk, max_queries)
+            return batcher.submit(queries, topk), return_scores
+
         try:
-            queries, topk, return_scores = await loop.run_in_executor(None, parse_body, body, default_topk,
-                                                                      max_queries)
+            answered, return_scores = await loop.run_in_executor(None, parse_and_submit)
         except ValueError as e:  # DEVIATION S3: 400 naming the field (FastAPI: 422 in its own shape)
             return _error(400, str(e))
         try:
-            results = await asyncio.wrap_future(batcher.submit(queries, topk)) if queries else []
+            results = await asyncio.wrap_future(answered)
         except Exception as e:  # keep serving; the client sees why
             return _error(500, f"{type(e).__name__}: {e}")
         data = await loop.run_in_executor(None, lambda: json.dumps(
@@ -675,14 +803,24 @@ class _DeadlineH11(H11Protocol):
                              and self.transport.close())
 
 
+def default_workers(device: torch.device) -> int:
+    """Encoder threads of the server: on a CPU as many forwards at once as the cores hold at torch's thread count
+    (OMP_NUM_THREADS=1 on 2 cores: 2; results do depend on that thread count, not on the number of workers); 1 on a
+    GPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // torch.get_num_threads()) if device.type == "cpu" else 1
+
+
 class RetrievalServer:
     """uvicorn serving `make_app` on a socket bound at construction (port 0 picks a free port: read server_port), with
     the interface of the http.server it replaces: serve_forever, shutdown, server_close, a context manager."""
 
     def __init__(self, retriever, host: str = "127.0.0.1", port: int = 8000, *, default_topk: int = TOPK,
                  max_queries: int = MAX_QUERIES, head_timeout: float = HEAD_TIMEOUT,
-                 body_timeout: float = BODY_TIMEOUT):
-        self.retriever, self.batcher = retriever, Batcher(retriever)
+                 body_timeout: float = BODY_TIMEOUT, workers=None):
+        workers = workers or default_workers(retriever.encoder.device)
+        self.batcher = Batcher(retriever, workers=workers, cost=retriever.encoder.query_tokens)
+        self.retriever = retriever
         self.socket = socket.create_server((host, port), backlog=BACKLOG)
         self.server_port = self.socket.getsockname()[1]
         protocol = type("_Protocol", (_DeadlineH11,), {"head_timeout": head_timeout})
@@ -715,7 +853,8 @@ class RetrievalServer:
 
 
 def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, **options) -> RetrievalServer:
-    """A server over `retriever`, not yet serving; options: default_topk, max_queries, head_timeout, body_timeout."""
+    """A server over `retriever`, not yet serving; options: default_topk, max_queries, head_timeout, body_timeout,
+    workers."""
     return RetrievalServer(retriever, host, port, **options)
 
 
@@ -828,7 +967,7 @@ def bench_exactness(retriever, sent: list) -> int:
 
 
 def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: int = 4, big: int = 3000,
-                 threads: int = 1, device: str = "cpu", url=None) -> dict:
+                 threads: int = 1, device: str = "cpu", url=None, workers=None) -> dict:
     """Start `retriever.py serve` in a child process on 127.0.0.1 (or use the server at `url`) and measure it; prints
     and returns the figures. Exactness compares with this file's in-process search."""
     with socket.socket() as s:
@@ -836,7 +975,7 @@ def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: 
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     command = [sys.executable, os.path.abspath(__file__), "serve", "--index", index_dir, "--port", str(port),
-               "--device", device]
+               "--device", device] + (["--workers", str(workers)] if workers else [])
     child = subprocess.Popen(command if url is None else ["true"], env=env)
     url = url or f"http://127.0.0.1:{port}/retrieve"
     try:
@@ -899,6 +1038,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     bench.add_argument("--threads", type=int, default=1, help="torch threads of the server (OMP_NUM_THREADS)")
     bench.add_argument("--index", default="data/tinyworld/index")
     bench.add_argument("--url", default=None, help="measure this running server instead of starting one")
+    for p in (server, bench):
+        p.add_argument("--workers", type=int, default=None,
+                       help="encoder threads of the server (default: CPU cores // torch threads; 1 on a GPU)")
     for p in (search, server):  # --index_path / --corpus_path: Search-R1's names; an index file is accepted too
         p.add_argument("--index", "--index_path", dest="index", required=True)
         p.add_argument("--corpus", "--corpus_path", dest="corpus", default=None,
@@ -936,12 +1078,13 @@ def main(argv=None):
             print(f"# query: {query}\n{format_docs(docs)}# ids: {' '.join(d['id'] for d in docs)}\n# scores: {scores}")
     elif args.command == "bench-server":
         bench_server(args.index, args.clients, args.requests, args.queries, args.big, args.threads, args.device,
-                     args.url)
+                     args.url, args.workers)
     else:
         index = search_r1_index_dir(args.index, args.corpus, args.retriever_model, args.retriever_name)
         corpus = None if index != args.index else args.corpus  # a described folder records its corpus
         serve(index, args.host, args.port, args.device, args.cache_size, corpus, args.fp16,
-              True if args.faiss_gpu else None, default_topk=args.topk, max_queries=args.max_queries)
+              True if args.faiss_gpu else None, default_topk=args.topk, max_queries=args.max_queries,
+              workers=args.workers)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 import concurrent.futures
 import http.client
 import json
+import math
 import os
 import random
 import re
@@ -174,6 +175,48 @@ def test_results_do_not_depend_on_the_batch(world, fresh):
     alone = bits([fresh.search([q])[0] for q in queries])
     assert bits(fresh.search(queries)) == alone  # one batch of 64
     assert bits([docs for i in range(0, 64, 7) for docs in fresh.search(queries[i:i + 7])]) == alone  # batches of 7
+
+
+def test_packed_query_embeddings_are_their_own(world, fresh):
+    """Determinism (1a): a query's vector is bit-identical alone, in any pack and at any offset, and equals the padded
+    forward of BertModel up to float rounding; a query longer than PACK_TOKENS gets a pack of its own."""
+    enc = fresh.encoder
+    queries = queries_of_mixed_lengths(world.rows) + ["", "founded " * 150]  # 2 and 152 tokens; one truncated at 256
+    lengths = [len(ids) for ids in enc.tokenizer(queries, max_length=R.MAX_LENGTH, truncation=True)["input_ids"]]
+    assert enc.packed and min(lengths) == 2 and max(lengths) == R.MAX_LENGTH > R.PACK_TOKENS
+    together = enc.encode(queries, "query")
+    order = np.random.default_rng(0).permutation(len(queries))
+    assert (enc.encode([queries[i] for i in order], "query") == together[order]).all()
+    assert all((enc.encode([q], "query")[0] == v).all() for q, v in zip(queries, together))
+    padded = enc.tokenizer(queries, max_length=R.MAX_LENGTH, truncation=True, padding=True, return_tensors="pt")
+    np.testing.assert_allclose(together, enc._pool(padded), rtol=0, atol=2e-6)
+
+
+def test_pack_queries_fills_packs_longest_first():
+    assert R.pack_queries([5, 130, 3, 128, 60, 70, 2], 128) == [[1], [3], [5, 0, 2, 6], [4]]
+    lengths = np.random.default_rng(1).integers(1, 40, 500).tolist()
+    packs = R.pack_queries(lengths, 128)
+    assert sorted(i for pack in packs for i in pack) == list(range(500))
+    assert all(sum(lengths[i] for i in pack) <= 128 for pack in packs)
+    assert len(packs) <= sum(lengths) // 128 + 2  # first-fit decreasing wastes at most a pack here
+
+
+def test_exact_top_equals_fsum_of_every_row():
+    """Determinism (2): only rows that float64 sums cannot rule out are summed exactly; the answer is the plain one."""
+    rng = np.random.default_rng(2)
+    for trial in range(200):
+        vectors = rng.standard_normal((20, 64)).astype(np.float32)
+        vectors[3] = vectors[7]  # an exact tie: the lower row first
+        vectors[11] = np.nextafter(vectors[5], np.float32(np.inf))  # a tie up to float32 rounding
+        query = rng.standard_normal(64).astype(np.float32).astype(np.float64)
+        query = vectors[5].astype(np.float64) if trial % 2 else query  # ties at the top half of the time
+        rows = rng.permutation(20)
+        products = vectors[rows].astype(np.float64) * query
+        plain = np.array([math.fsum(p) for p in products.tolist()])
+        for topk in (1, 3, 20, 30):
+            best = np.lexsort((rows, -plain))[:topk]
+            got_rows, got_scores = R.exact_top(rows, products, topk)
+            assert got_rows.tolist() == rows[best].tolist() and got_scores.tobytes() == plain[best].tobytes()
 
 
 def test_cache_hits_misses_and_eviction(world):
@@ -501,7 +544,8 @@ def test_search_r1_launch_line(world, fresh, tmp_path):
 
 
 def test_batcher_splits_big_requests_round_robin():
-    """A request of 100 queries goes in slices of 32 (64 a round); a 3-query one sent meanwhile rides in round 2."""
+    """A request of 100 queries goes in slices of 8 (16 a round); a 3-query one sent meanwhile rides in round 2.
+    With token costs, a round stops before the query that would pass its budget; a longer query goes alone."""
     gate, calls = threading.Event(), []
 
     class Recorder:
@@ -510,15 +554,64 @@ def test_batcher_splits_big_requests_round_robin():
             gate.wait(10)
             return [[{"id": query}] for query, _ in items]
 
-    batcher = R.Batcher(Recorder())
+    batcher = R.Batcher(Recorder(), round_cost=16)
     big = batcher.submit([f"b{i}" for i in range(100)], 3)
     while not calls:
         time.sleep(0.01)
     small = batcher.submit(["s0", "s1", "s2"], 3)
     gate.set()
     assert small.result(10) == [[{"id": "s0"}], [{"id": "s1"}], [{"id": "s2"}]]
-    assert [len(c) for c in calls] == [64, 39] and calls[1][32:35] == ["s0", "s1", "s2"]  # then b96..b99
+    assert [len(c) for c in calls] == [16] * 6 + [7] and calls[1][8:11] == ["s0", "s1", "s2"]  # b24..b28 next
     assert [docs[0]["id"] for docs in big.result(10)] == [f"b{i}" for i in range(100)]
+    batcher.close()
+
+    calls.clear()
+    batcher = R.Batcher(Recorder(), round_cost=100, cost=lambda queries: [int(q[1:]) for q in queries])
+    job = batcher.submit(["t30", "t30", "t30", "t20", "t150", "t5", "t90"], 3)
+    assert [docs[0]["id"] for docs in job.result(10)] == ["t30", "t30", "t30", "t20", "t150", "t5", "t90"]
+    assert calls == [["t30", "t30", "t30"], ["t20"], ["t150"], ["t5", "t90"]]  # 30 x 3 + 20 > 100: t20 waits
+    assert batcher.submit([], 3).result(1) == []
+    batcher.close()
+
+
+def test_batcher_workers_share_rounds_and_finish_out_of_order():
+    """Two workers take rounds of 16 out of 40 waiting queries; the second round finishes first, the answer is still
+    in order; the last 8 wait for a free worker. Less than a round's budget waiting never starts a round beside a
+    busy worker."""
+    first_done, calls = threading.Event(), []
+
+    class Recorder:
+        def search_batch(self, items):
+            calls.append([query for query, _ in items])
+            if items[0][0] == "q0":
+                assert first_done.wait(10)  # the first round waits for the second one to finish
+            elif items[0][0] == "q16":
+                first_done.set()
+            return [[{"id": query}] for query, _ in items]
+
+    batcher = R.Batcher(Recorder(), round_cost=16, workers=2)
+    job = batcher.submit([f"q{i}" for i in range(40)], 3)
+    assert [docs[0]["id"] for docs in job.result(10)] == [f"q{i}" for i in range(40)]
+    assert [len(c) for c in calls] == [16, 16, 8] and calls[2][0] == "q32"
+    batcher.close()
+
+    gate, sizes = threading.Event(), []
+
+    class Slow:
+        def search_batch(self, items):
+            sizes.append(len(items))
+            gate.wait(10)
+            return [[{"id": query}] for query, _ in items]
+
+    batcher = R.Batcher(Slow(), round_cost=16, workers=2)
+    first = batcher.submit(["a"], 3)
+    while not sizes:
+        time.sleep(0.01)
+    second = batcher.submit([f"b{i}" for i in range(15)], 3)
+    time.sleep(0.3)
+    assert sizes == [1]  # the idle worker waits: too few queries to fill its packs
+    gate.set()
+    assert len(first.result(10)) == 1 and len(second.result(10)) == 15
     batcher.close()
 
 
