@@ -248,8 +248,8 @@ def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
     marks = [budget * (k + 1) / checkpoints for k in range(checkpoints)]
     grpo_final = np.mean([em_vs_tokens(rows)[-1][1] for _, rows in runs.get("grpo", [])]) if "grpo" in runs else None
     # the final evaluation runs after the step that crossed the budget, so it lies past the last mark: its own column
-    head = ["method", "seeds"] + [f"EM@{tokens_str(m)}" for m in marks] + ["AUC", "final EM", "final tokens",
-                                                                           "tokens to GRPO's final", "steps", "wall min"]
+    head = ["method", "seeds", *[f"EM@{tokens_str(m)}" for m in marks], "AUC", "final EM", "final tokens",
+            "tokens to GRPO's final", "steps", "wall min"]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name in sorted(runs, key=lambda n: (n != "grpo", n != "twice", n)):
         curves = [em_vs_tokens(rows) for _, rows in runs[name]]

@@ -640,8 +640,9 @@ CHAIN_QTYPES = {  # type: (hops, goal, templates); 4-hop gets two templates, so 
     "founder": (2, "a founder of a company", ("Who founded the company that {} works for?",)),
     "founder_birthplace": (3, "a city where a founder was born", (
         "Where was the founder of the company that {} works for born?",)),
-    "founder_country": (4, "a country of a city", ("In which country was the founder of the company that {} works for born?",
-                                         "What is the home country of the founder of the employer of {}?")),
+    "founder_country": (4, "a country of a city", (
+        "In which country was the founder of the company that {} works for born?",
+        "What is the home country of the founder of the employer of {}?")),
 }
 # Every think block opens by restating the goal, its kind and the kind one link before it ("a city where a founder
 # was born"): whether the fact just read is the last bridge is then whether its kind word (CHAIN_FACT) occurs in the
