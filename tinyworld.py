@@ -1050,6 +1050,18 @@ def _decision_freqs(logs):
     return {row: {k: round(v / sum(c.values()), 3) for k, v in sorted(c.items())} for row, c in counts.items()}
 
 
+WORLD_FILES = ("corpus.jsonl", "train.jsonl", "test.jsonl", "index/index.faiss", "policy/model.safetensors",
+               "policy/tokenizer.json")
+
+
+def differing_files(a: str, b: str) -> list:
+    """The WORLD_FILES whose bytes differ between two built worlds (a rebuild on one thread: none)."""
+    def read(root, rel):
+        with open(os.path.join(root, rel), "rb") as f:
+            return f.read()
+    return [rel for rel in WORLD_FILES if read(a, rel) != read(b, rel)]
+
+
 def stop_calibration(world_dir: str, split: str = "test", seed: int = 0) -> dict:
     """How well a chains world's warm start learned the stop decisions: P(So) / (P(So) + P(Next)) at each decision
     word of scripted perfect episodes (teacher-forced), by position (hops, kind), against the scripts' probability."""
