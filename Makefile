@@ -54,10 +54,10 @@ demo-compare: install $(WORLD)/world.json
 	$(PY) report.py compare $(COMPARE)/omega*-seed*
 
 # Every method at the same total of generated tokens (factual + auxiliary) per run (issue 15): one run per method and
-# seed from the configs CMP_CFG, each stopped by token_budget (a method that spends tokens on twins or continuations gets fewer
-# steps); prints the table (EM at token marks, area under EM-vs-tokens, tokens to GRPO's final EM, wall time) and
-# writes $(CMP)/compare_methods.png. JOBS runs at a time, one thread each (reruns give the same numbers), a log per run
-# in $(CMP)/<method>-seed<s>.log; finished runs are kept (rerun to fill in). Quick variant: SEEDS=0.
+# seed from the configs CMP_CFG, each stopped by token_budget (a method that spends tokens on twins or continuations
+# gets fewer steps); prints the table (EM at token marks, area under EM-vs-tokens, tokens to GRPO's final EM, wall time)
+# and writes $(CMP)/compare_methods_seeds<S>.png. JOBS runs at a time, one thread each (reruns give the same numbers), a
+# log per run in $(CMP)/<method>-seed<s>.log; finished runs are kept (rerun to fill in). Quick variant: SEEDS=0.
 CMP_CFG  ?= configs/chains.cfg configs/compare-methods.cfg
 METHODS  ?= grpo twice independent vineppo gigpo hgpo arpo tree_grpo ppo igpo spa_rl agentprm craft
 CMP      ?= runs/compare-methods

@@ -57,6 +57,7 @@ Launch (CPU; --threads 1 because a second thread made these tiny models ~10x slo
   python audit.py --world data/tinyworld --decisions 24 --oracle_rollouts 16 --repeats 4 --out runs/audit-small
   python audit.py --model runs/twice/step_000200/policy --data data/tinyworld/train.jsonl \\
       --index data/tinyworld/index --decisions 40 --oracle_rollouts 16 --repeats 4   # a checkpoint, a few minutes
+  python audit.py --rescore runs/audit    # recompute the metrics of an earlier audit from its audit.json
 Tests: `python -m pytest -q tests/test_audit.py`.
 """
 import copy
@@ -114,6 +115,7 @@ class Config:
     chunk: int = 2048               # requests per batched rollout call (one progress-bar step)
     threads: int = 1                # torch CPU threads (0: torch's default)
     progress: bool = True           # progress bars
+    rescore: str = ""               # an earlier --out folder: recompute its metrics from audit.json, no rollouts
 
     def resolve(self):
         self.model = self.model or os.path.join(self.world, "policy")
@@ -527,7 +529,39 @@ def score(est, aux, a, thr, factual_tokens) -> dict:
             "wrong_sign_mean": rate(np.sign(mean) * np.sign(a) < 0), "zero": rate(est == 0),
             "corr": pearson(est, np.repeat(a[:, None], R, 1)), "corr_mean": pearson(mean, a),
             "var": float(est.var(1, ddof=1).mean()), "aux_tokens": float(aux.mean()),
-            "total_vs_grpo": float(1 + aux.sum() / R / factual_tokens)}
+            "total_vs_grpo": float(1 + aux.sum() / R / factual_tokens), **bootstrap_se(est, a, thr)}
+
+
+def bootstrap_se(est, a, thr, draws: int = 1000, seed: int = 0) -> dict:
+    """Standard errors of corr and wrong_sign by the bootstrap over decisions: decisions drawn with replacement, each
+    with its R repeats, so the SE counts which decisions were audited as well as the estimators' noise."""
+    rng, (N, R) = np.random.default_rng(seed), est.shape
+    corr, wrong = [], []
+    for i in rng.integers(0, N, (draws, N)):
+        e, x = est[i], a[i]
+        corr.append(pearson(e, np.repeat(x[:, None], R, 1)))
+        big = np.abs(x) > thr
+        wrong.append(float((np.sign(e[big]) * np.sign(x[big])[:, None] < 0).mean()) if big.any() else math.nan)
+    sd = lambda v: float(np.std(v, ddof=1)) if np.isfinite(v).sum() > 1 else math.nan  # noqa: E731
+    return {"corr_se": sd(np.array(corr)[np.isfinite(corr)]), "wrong_sign_se": sd(np.array(wrong)[np.isfinite(wrong)])}
+
+
+PAIRS = (("TWICE", "independent"), ("TWICE", "GRPO"), ("TWICE", "VinePPO K=1"), ("TWICE", "GiGPO"))
+
+
+def corr_differences(ests: dict, a, draws: int = 1000, seed: int = 0) -> dict:
+    """{"X - Y": (corr X - corr Y, paired bootstrap SE)} for the PAIRS present: both estimators see the same resampled
+    decisions, so the SE of the difference is smaller than either corr's SE when their errors share decisions."""
+    rng, out = np.random.default_rng(seed), {}
+    idx = rng.integers(0, len(a), (draws, len(a)))
+    for x, y in PAIRS:
+        if x in ests and y in ests:
+            c = lambda e, i: pearson(e[i], np.repeat(a[i][:, None], e.shape[1], 1))  # noqa: E731
+            d = np.array([c(ests[x], i) - c(ests[y], i) for i in idx])
+            d = d[np.isfinite(d)]
+            out[f"{x} - {y}"] = (c(ests[x], slice(None)) - c(ests[y], slice(None)),
+                                 float(d.std(ddof=1)) if len(d) > 1 else math.nan)
+    return out
 
 
 def coupling_stats(u, u_coupled, u_indep) -> dict:
@@ -589,11 +623,14 @@ def fmt(x, spec=".3f") -> str:
 
 
 def table(metrics: dict) -> list:
+    """Markdown rows; wrong-sign and corr carry their bootstrap SE over decisions (bootstrap_se) where it exists."""
     cols = (("wrong_sign", "%"), ("wrong_sign_mean", "%"), ("zero", "%"), ("corr", ".3f"), ("corr_mean", ".3f"),
             ("var", ".3f"), ("aux_tokens", ".1f"))
+    cell = lambda r, k, s: fmt(r[k], s) + (f" +- {fmt(r[k + '_se'], s)}" if r.get(k + "_se") is not None  # noqa: E731
+                                           and math.isfinite(r[k + "_se"]) else "")
     return ["| estimator | wrong-sign | wrong-sign (mean of R) | zero | corr | corr (mean of R) | var over repeats | "
             "aux tokens / decision | total tokens / GRPO |", "|---|" + "---:|" * 8] + [
-        f"| {name} | " + " | ".join(fmt(r[k], s) for k, s in cols) + f" | {fmt(r['total_vs_grpo'], '.2f')}x |"
+        f"| {name} | " + " | ".join(cell(r, k, s) for k, s in cols) + f" | {fmt(r['total_vs_grpo'], '.2f')}x |"
         for name, r in metrics.items()]
 
 
@@ -639,7 +676,9 @@ def report(res: dict) -> str:
         f"{o['var_a']:.3f}: " + ", ".join(f"{n} {fmt(ceiling(o['var_a'], m[n]['var']))}" for n in
                                           ("TWICE", "independent", "VinePPO K=1") if n in m) + ".",
         f"- Budgeted TWICE: sqrt rule, twin_budget {cfg['twin_budget']}, mean q {res['budget_q_mean']:.2f}, "
-        "discordance cross-fitted on the other half of the episodes.", *method_notes(res), "",
+        "discordance cross-fitted on the other half of the episodes.", *method_notes(res),
+        "- Correlation differences, paired bootstrap over decisions (SE): " + "; ".join(
+            f"{k} {fmt(d, '+.3f')} +- {fmt(se)}" for k, (d, se) in res.get("corr_differences", {}).items()) + ".", "",
         "Targets: " + ", ".join(f"{k} {'MET' if v else 'NOT met'}" for k, v in res["targets"].items()), ""])
 
 
@@ -699,6 +738,7 @@ def run_audit(model, tok, retr, rows, cfg) -> tuple:
            "oracle": oracle_summary(orc, cfg.threshold), "shortcut": side["shortcut"],
            "coupling": coupling_stats(side["u"], raw["coupled"]["u"], raw["independent"]["u"]),
            "targets": targets(metrics, vines), "budget_q_mean": float(side["q"].mean()),
+           "corr_differences": corr_differences({name: est for name, (est, _) in ests.items()}, a),
            "factual_tokens": side["factual_tokens"], "grpo_group_tokens": side["grpo_group_tokens"],
            "oracle_tokens": float(orc["tokens"].sum()), "times": raw["times"], "learned": raw["methods"]["learned"],
            "method_config": dataclasses.asdict(method_config(cfg)) if raw["methods"]["rows"] else {}}
@@ -723,7 +763,41 @@ def _clean(x):
     return x.item() if isinstance(x, np.generic) else x
 
 
+def write(res: dict, out: str) -> str:
+    """audit.json and audit.md into `out`, each replaced atomically; returns the markdown."""
+    md = report(res)
+    os.makedirs(out, exist_ok=True)
+    for name, text in (("audit.json", json.dumps(_clean(res), indent=1)), ("audit.md", md)):
+        with open(os.path.join(out, name + ".tmp"), "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+    return md
+
+
+def rescore(folder: str) -> dict:
+    """Recompute every estimator's metrics from an audit folder's audit.json (its per-decision estimates and A*; the
+    aux-token figures are kept) and rewrite audit.json and audit.md: new metrics without new rollouts."""
+    path = os.path.join(folder, "audit.json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"audit.py --rescore: {path} not found (the folder of an earlier audit.py --out)")
+    res = json.load(open(path, encoding="utf-8"), object_hook=lambda d: {k: math.nan if v is None else v
+                                                                          for k, v in d.items()})  # _clean's inverse
+    a, ests = np.array([d["a"] for d in res["decisions"]], dtype=float), {}
+    for name, m in res["metrics"].items():
+        est = np.array([[math.nan if x is None else x for x in d["estimates"][name]] for d in res["decisions"]],
+                       dtype=float)
+        aux = np.full(est.shape, m["aux_tokens"])
+        m.update({k: v for k, v in score(est, aux, a, res["config"]["threshold"], res["factual_tokens"]).items()
+                  if k not in ("aux_tokens", "total_vs_grpo")})
+        ests[name] = est
+    res["corr_differences"] = corr_differences(ests, a)
+    print(write(res, folder), flush=True)
+    return res
+
+
 def main(cfg: Config) -> dict:
+    if cfg.rescore:
+        return rescore(cfg.rescore)
     if cfg.threads:  # tiny models on a shared 2-core CPU: a second thread made generation ~10x slower (measured)
         torch.set_num_threads(cfg.threads)
     t0 = time.time()
@@ -731,12 +805,7 @@ def main(cfg: Config) -> dict:
     res, ests = run_audit(model, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url),
                           qa_eval.load_qa(cfg.data), cfg)
     res["times"]["wall_s"] = time.time() - t0
-    md = report(res)
-    os.makedirs(cfg.out, exist_ok=True)
-    for name, text in (("audit.json", json.dumps(_clean(res), indent=1)), ("audit.md", md)):
-        with open(os.path.join(cfg.out, name + ".tmp"), "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(os.path.join(cfg.out, name + ".tmp"), os.path.join(cfg.out, name))  # atomic
+    md = write(res, cfg.out)
     scatter(os.path.join(cfg.out, "audit_scatter.png"), np.array([d["a"] for d in res["decisions"]]), ests,
             res["metrics"])
     print(md, flush=True)

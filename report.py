@@ -4,7 +4,7 @@ eval.py result files), never another module's internals.
 Usage:
   python report.py run runs/demo/twice                         # learning_curve.png + the before/after table
   python report.py compare runs/demo-compare/omega*-seed*      # GRPO vs TWICE table and compare.png
-  python report.py methods runs/compare-methods/*-seed*        # every method at equal tokens, compare_methods.png
+  python report.py methods runs/compare-methods/*-seed*        # every method at equal tokens + a PNG
   python report.py paper GRPO=runs/x-grpo/eval TWICE=runs/x-twice/eval --paper 3b --out report.md   # paper's table
 """
 import argparse
@@ -239,11 +239,17 @@ def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
     """Markdown: one row per method (mean +- sd over seeds): greedy EM at `checkpoints` equally spaced token counts
     up to the shared budget, area under EM-vs-tokens, final EM and the tokens it was measured at (mean), tokens to
     reach GRPO's final EM, steps, wall time; and a PNG
-    of EM against generated tokens (mean, sd band)."""
+    of EM against generated tokens (mean, sd band). `png` may hold "{seeds}", filled with the runs' seeds ("0-1-2")."""
     runs = {}
     for d in run_dirs:
-        cfg = json.load(open(os.path.join(d, "config.json")))
-        runs.setdefault(method_of(cfg), []).append((cfg, read_rows(d)))
+        if not os.path.isfile(os.path.join(d, "config.json")) or not os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            raise SystemExit(f"report.py methods: {d} is not a run folder (no config.json or metrics.jsonl): was the "
+                             "run started? make compare-methods runs the missing ones")
+        cfg, rows = json.load(open(os.path.join(d, "config.json"))), read_rows(d)
+        if not any(r.get("final") for r in rows):
+            print(f"report.py methods: warning: {d} has not finished (no final evaluation); its last evaluation is "
+                  "used as its final EM", file=sys.stderr)
+        runs.setdefault(method_of(cfg), []).append((cfg, rows))
     budget = max(cfg["token_budget"] or max(r.get("tokens", 0) for r in rows) for m in runs.values() for cfg, rows in m)
     marks = [budget * (k + 1) / checkpoints for k in range(checkpoints)]
     grpo_final = np.mean([em_vs_tokens(rows)[-1][1] for _, rows in runs.get("grpo", [])]) if "grpo" in runs else None
@@ -264,7 +270,8 @@ def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
         cells.append(mean_sd([sum(r.get("time", 0) for r in rows) / 60 for _, rows in runs[name]], ".1f"))
         out.append("| " + " | ".join(cells) + " |")
     if png:
-        plot_em_vs_tokens(runs, budget, png)
+        seeds = sorted({cfg["seed"] for m in runs.values() for cfg, _ in m})
+        plot_em_vs_tokens(runs, budget, png.replace("{seeds}", "-".join(map(str, seeds))))
     return "\n".join(out)
 
 
@@ -296,7 +303,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     commands = {"run": lambda a: print(finish_run(a[0])), "compare": lambda a: print(compare_runs(a)),
                 "methods": lambda a: print(compare_methods(a, png=os.path.join(os.path.dirname(
-                    os.path.abspath(a[0])), "compare_methods.png"))), "paper": paper_main}
+                    os.path.abspath(a[0])), "compare_methods_seeds{seeds}.png"))), "paper": paper_main}
     if not argv or argv[0] not in commands or (argv[0] != "paper" and len(argv) < 2) or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)

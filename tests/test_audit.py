@@ -333,6 +333,31 @@ def test_cli_smoke(tiny_world, tmp_path):
         assert all(m[k] is None or -1 <= m[k] <= 1 for k in ("corr", "corr_mean"))
     assert saved["metrics"]["GRPO"]["aux_tokens"] == 0 and saved["metrics"]["VinePPO K=2"]["aux_tokens"] > 0
     assert os.path.getsize(out / "audit_scatter.png") > 1000
+    # --rescore recomputes the same metrics from audit.json alone (no model, no rollouts) and keeps the tokens
+    rescored = audit.main(audit.parse_args(["--rescore", str(out), "--world", "/nonexistent"]))
+    for name, m in saved["metrics"].items():
+        for k, v in m.items():
+            assert rescored["metrics"][name][k] == pytest.approx(math.nan if v is None else v, nan_ok=True), (name, k)
+    assert rescored["corr_differences"].keys() == saved["corr_differences"].keys() >= {"TWICE - independent"}
+    assert "paired bootstrap" in (out / "audit.md").read_text()
+    with pytest.raises(SystemExit, match="audit.json not found"):
+        audit.rescore(str(tmp_path / "nothing"))
+
+
+def test_bootstrap_se_matches_the_binomial_and_pairs_cancel():
+    """The bootstrap SE of a wrong-sign rate over N independent decisions (R = 1) is the binomial sqrt(p(1-p)/N);
+    the paired SE of corr(X) - corr(X) is 0 and of corr(X) - corr(noisier X) is below either corr's own SE."""
+    rng = np.random.default_rng(1)
+    a = rng.choice([-1.0, 1.0], 400)
+    est = np.where(np.arange(400) < 100, -a, a)[:, None]  # p = 0.25 wrong
+    se = audit.bootstrap_se(est, a, thr=0.5, draws=2000)
+    assert se["wrong_sign_se"] == pytest.approx(math.sqrt(0.25 * 0.75 / 400), rel=0.1)
+    x = (a + rng.normal(0, 1, 400))[:, None]
+    y = x + rng.normal(0, 0.5, (400, 1))
+    d = audit.corr_differences({"TWICE": x, "independent": x, "GRPO": y}, a)
+    assert d["TWICE - independent"] == (0.0, 0.0)
+    diff, se_d = d["TWICE - GRPO"]
+    assert diff > 0 and 0 < se_d < min(audit.bootstrap_se(e, a, 0.5)["corr_se"] for e in (x, y))
 
 
 def test_shortcut_bias_is_per_decision_not_a_signed_mean():

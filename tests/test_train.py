@@ -275,13 +275,13 @@ def test_eval_tokens_evaluates_at_the_start_and_at_every_multiple_of_generated_t
     assert 2 <= sum(expect) < len(rows)  # the rule fired more than once and skipped a step
 
 
-def test_compare_methods_at_equal_tokens(tmp_path):
+def test_compare_methods_at_equal_tokens(tmp_path, capsys):
     """Hand-computed: EM at token marks is the last evaluation at or before the mark; AUC is the mean of that step
     function over [0, budget]; 'tokens to GRPO's final EM' is where a method's curve first reaches it."""
     def run(name, method, ems):  # ems: EM at tokens 0, 100, 200 (final)
         d = tmp_path / name
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({"method": method, "token_budget": 200}))
+        (d / "config.json").write_text(json.dumps({"method": method, "token_budget": 200, "seed": int(name[1:])}))
         rows = [{"step": 0, "eval_em": ems[0], "tokens": 100, "factual_tokens": 100, "time": 30},
                 {"step": 1, "eval_em": ems[1], "tokens": 200, "factual_tokens": 100, "time": 30},
                 {"step": 2, "eval_em": ems[2], "tokens": 200, "final": True}]
@@ -289,7 +289,7 @@ def test_compare_methods_at_equal_tokens(tmp_path):
         return str(d)
     dirs = [run("g0", "grpo", (0.2, 0.4, 0.6)), run("g1", "grpo", (0.2, 0.2, 0.4)),
             run("t0", "twice", (0.2, 0.6, 0.8)), run("t1", "twice", (0.2, 0.4, 0.6))]
-    table = report.compare_methods(dirs, checkpoints=2, png=str(tmp_path / "m.png")).splitlines()
+    table = report.compare_methods(dirs, checkpoints=2, png=str(tmp_path / "m{seeds}.png")).splitlines()
     assert table[0] == ("| method | seeds | EM@100 | EM@200 | AUC | final EM | final tokens | tokens to GRPO's final "
                         "| steps | wall min |")
     grpo, twice = table[2].split(" | "), table[3].split(" | ")
@@ -299,4 +299,11 @@ def test_compare_methods_at_equal_tokens(tmp_path):
     assert twice[5:7] == ["0.700 +- 0.100", "200"] and grpo[5] == "0.500 +- 0.100"  # final EM, its tokens
     assert twice[7] == "150 (2/2 reach)"  # GRPO's final EM is 0.5: t0 reaches it at 100 tokens (0.6), t1 at 200
     assert grpo[7] == "200 (1/2 reach)" and twice[8:] == ["2 +- 0", "1.0 +- 0.0 |"]  # steps, minutes
-    assert (tmp_path / "m.png").stat().st_size > 1000
+    assert (tmp_path / "m0-1.png").stat().st_size > 1000  # named after the seeds: dev and held-out PNGs coexist
+    with pytest.raises(SystemExit, match="g9 is not a run folder"):
+        report.compare_methods(dirs + [str(tmp_path / "g9")])
+    rows = (tmp_path / "t1" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "t1" / "metrics.jsonl").write_text("\n".join(rows[:2]) + "\n")  # t1 stopped before its final eval
+    capsys.readouterr()
+    report.compare_methods(dirs)
+    assert "t1 has not finished" in capsys.readouterr().err
