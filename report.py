@@ -209,6 +209,9 @@ def paper_main(argv=None):
 # --- every method at equal generated tokens (`make compare-methods`) ---
 
 def method_of(cfg: dict) -> str:
+    """A run's row name: its method; VinePPO with its K (a knob swept on seeds 0-2), uncoupled TWICE apart."""
+    if cfg.get("method") == "vineppo" and "vine_k" in cfg:
+        return f"vineppo K={cfg['vine_k']}"
     if "method" in cfg:
         return cfg["method"] if cfg["method"] != "twice" or cfg.get("coupling", True) else "twice-uncoupled"
     return "grpo" if cfg["omega"] == 0 else "twice" if cfg["coupling"] else "twice-uncoupled"
@@ -281,10 +284,14 @@ def plot_em_vs_tokens(runs: dict, budget: float, path: str):
     import matplotlib.pyplot as plt
     grid = np.linspace(0, budget, 200)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, seeds in sorted(runs.items()):
-        em = np.array([[em_at(em_vs_tokens(rows), x) for x in grid] for _, rows in seeds])  # (seeds, grid)
-        ax.plot(grid, em.mean(0), label=f"{name} ({len(seeds)} seeds)")
-        ax.fill_between(grid, em.mean(0) - em.std(0), em.mean(0) + em.std(0), alpha=0.15)
+    colors = plt.get_cmap("tab20").colors  # 13 methods: no colour twice (the default cycle has 10)
+    for i, name in enumerate(sorted(runs, key=lambda n: (n != "grpo", n != "twice", n))):
+        em = np.array([[em_at(em_vs_tokens(rows), x) for x in grid] for _, rows in runs[name]])  # (seeds, grid)
+        main = name in ("grpo", "twice")  # the comparison the project exists for: bold, with its sd band
+        ax.plot(grid, em.mean(0), color=colors[2 * i % 20 + i // 10], lw=2.4 if main else 1.2,
+                ls="-" if main or i % 2 else "--", label=f"{name} ({len(runs[name])} seeds)")
+        ax.fill_between(grid, em.mean(0) - em.std(0), em.mean(0) + em.std(0), color=colors[2 * i % 20 + i // 10],
+                        alpha=0.15 if main else 0.05)
     ax.set(xlabel="generated tokens (factual + auxiliary)", ylabel="greedy EM (test)",
            title="every method at equal generated tokens")
     ax.grid(alpha=0.3)

@@ -299,6 +299,7 @@ def test_compare_methods_at_equal_tokens(tmp_path, capsys):
     assert twice[5:7] == ["0.700 +- 0.100", "200"] and grpo[5] == "0.500 +- 0.100"  # final EM, its tokens
     assert twice[7] == "150 (2/2 reach)"  # GRPO's final EM is 0.5: t0 reaches it at 100 tokens (0.6), t1 at 200
     assert grpo[7] == "200 (1/2 reach)" and twice[8:] == ["2 +- 0", "1.0 +- 0.0 |"]  # steps, minutes
+    assert report.method_of({"method": "vineppo", "vine_k": 3}) == "vineppo K=3"  # a K sweep keeps its K apart
     assert (tmp_path / "m0-1.png").stat().st_size > 1000  # named after the seeds: dev and held-out PNGs coexist
     with pytest.raises(SystemExit, match="g9 is not a run folder"):
         report.compare_methods(dirs + [str(tmp_path / "g9")])
