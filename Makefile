@@ -58,6 +58,7 @@ demo-compare: install $(WORLD)/world.json
 # gets fewer steps); prints the table (EM at token marks, area under EM-vs-tokens, tokens to GRPO's final EM, wall time)
 # and writes $(CMP)/compare_methods_seeds<S>.png. JOBS runs at a time, one thread each (reruns give the same numbers), a
 # log per run in $(CMP)/<method>-seed<s>.log; finished runs are kept (rerun to fill in). Quick variant: SEEDS=0.
+# With GRPO among METHODS and two or more SEEDS, also the paired table (report.py paired: mean +- SE, minus GRPO).
 CMP_CFG  ?= configs/chains.cfg configs/compare-methods.cfg
 METHODS  ?= grpo twice independent vineppo gigpo hgpo arpo tree_grpo ppo igpo spa_rl agentprm craft
 CMP      ?= runs/compare-methods
@@ -71,6 +72,8 @@ compare-methods: install
 	  --out_dir=$(CMP)/$$0-seed$$1 --overwrite > $(CMP)/$$0-seed$$1.log 2>&1 || \
 	  { echo "$$0 seed $$1 failed: see $(CMP)/$$0-seed$$1.log"; exit 255; }'
 	$(PY) report.py methods $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(CMP)/$(m)-seed$(s)))
+	$(if $(and $(filter grpo,$(METHODS)),$(word 2,$(SEEDS))),$(PY) report.py paired \
+	  $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(CMP)/$(m)-seed$(s))))
 
 # Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages; the methods.py rows
 # take their knobs from the world's trainer preset (configs/demo.cfg, or configs/chains.cfg for WORLD=data/chains).

@@ -5,6 +5,7 @@ Usage:
   python report.py run runs/demo/twice                         # learning_curve.png + the before/after table
   python report.py compare runs/demo-compare/omega*-seed*      # GRPO vs TWICE table and compare.png
   python report.py methods runs/compare-methods/*-seed*        # every method at equal tokens + a PNG
+  python report.py paired [--base grpo] runs/compare-methods/*-seed*   # AUC, final EM: mean +- SE, paired vs base
   python report.py paper GRPO=runs/x-grpo/eval TWICE=runs/x-twice/eval --paper 3b --out report.md   # paper's table
 """
 import argparse
@@ -238,6 +239,50 @@ def auc(points: list, budget: float) -> float:
     return sum(em_at(points, a) * (b - a) for a, b in zip(xs, xs[1:])) / budget
 
 
+def load_run(d: str) -> tuple:
+    """(config, metrics rows) of a benchmark run folder; a clear error if it is not one, a warning if unfinished."""
+    if not os.path.isfile(os.path.join(d, "config.json")) or not os.path.isfile(os.path.join(d, "metrics.jsonl")):
+        raise SystemExit(f"report.py: {d} is not a run folder (no config.json or metrics.jsonl): was the run "
+                         "started? make compare-methods runs the missing ones")
+    cfg, rows = json.load(open(os.path.join(d, "config.json"))), read_rows(d)
+    if not any(r.get("final") for r in rows):
+        print(f"report.py: warning: {d} has not finished (no final evaluation); its last evaluation is used as its "
+              "final EM", file=sys.stderr)
+    return cfg, rows
+
+
+def shared_budget(runs: dict) -> float:
+    """The token budget of a set of runs {method: [(cfg, rows)]}: the largest token_budget (or tokens reached)."""
+    return max(cfg["token_budget"] or max(r.get("tokens", 0) for r in rows) for m in runs.values() for cfg, rows in m)
+
+
+def paired(run_dirs, base: str = "grpo") -> str:
+    """Markdown: per method, AUC and final EM as mean +- standard error over its seeds (sd with ddof 1 / sqrt(n)),
+    and their differences from the `base` method's run of the same seed (paired: same prompts, same warm start)."""
+    runs = {}
+    for d in run_dirs:
+        cfg, rows = load_run(d)
+        runs.setdefault(method_of(cfg), []).append((cfg, rows))
+    if base not in runs:
+        raise SystemExit(f"report.py paired: no {base} run among the folders: the differences are taken from it")
+    budget = shared_budget(runs)
+    stats = {m: {cfg["seed"]: (auc(em_vs_tokens(rows), budget), em_vs_tokens(rows)[-1][1]) for cfg, rows in seeds}
+             for m, seeds in runs.items()}
+
+    def se(x, sign=""):
+        return f"{np.mean(x):{sign}.3f} +- {np.std(x, ddof=1) / np.sqrt(len(x)):.3f}" if len(x) > 1 else \
+            f"{x[0]:{sign}.3f}"
+    out = [f"| method | seeds | AUC | final EM | AUC - {base}'s (paired) | final EM - {base}'s (paired) |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for m in sorted(stats, key=lambda m: -np.mean([a for a, _ in stats[m].values()])):
+        both = [s for s in stats[m] if s in stats[base]]
+        diff = [[stats[m][s][k] - stats[base][s][k] for s in both] for k in (0, 1)]
+        out.append(f"| {m} | {len(stats[m])} | {se([a for a, _ in stats[m].values()])} | "
+                   f"{se([f for _, f in stats[m].values()])} | " +
+                   (" | ".join(se(x, "+") for x in diff) if m != base and both else "- | -") + " |")
+    return "\n".join(out)
+
+
 def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
     """Markdown: one row per method (mean +- sd over seeds): greedy EM at `checkpoints` equally spaced token counts
     up to the shared budget, area under EM-vs-tokens, final EM and the tokens it was measured at (mean), tokens to
@@ -245,15 +290,9 @@ def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
     of EM against generated tokens (mean, sd band). `png` may hold "{seeds}", filled with the runs' seeds ("0-1-2")."""
     runs = {}
     for d in run_dirs:
-        if not os.path.isfile(os.path.join(d, "config.json")) or not os.path.isfile(os.path.join(d, "metrics.jsonl")):
-            raise SystemExit(f"report.py methods: {d} is not a run folder (no config.json or metrics.jsonl): was the "
-                             "run started? make compare-methods runs the missing ones")
-        cfg, rows = json.load(open(os.path.join(d, "config.json"))), read_rows(d)
-        if not any(r.get("final") for r in rows):
-            print(f"report.py methods: warning: {d} has not finished (no final evaluation); its last evaluation is "
-                  "used as its final EM", file=sys.stderr)
+        cfg, rows = load_run(d)
         runs.setdefault(method_of(cfg), []).append((cfg, rows))
-    budget = max(cfg["token_budget"] or max(r.get("tokens", 0) for r in rows) for m in runs.values() for cfg, rows in m)
+    budget = shared_budget(runs)
     marks = [budget * (k + 1) / checkpoints for k in range(checkpoints)]
     grpo_final = np.mean([em_vs_tokens(rows)[-1][1] for _, rows in runs.get("grpo", [])]) if "grpo" in runs else None
     # the final evaluation runs after the step that crossed the budget, so it lies past the last mark: its own column
@@ -310,7 +349,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     commands = {"run": lambda a: print(finish_run(a[0])), "compare": lambda a: print(compare_runs(a)),
                 "methods": lambda a: print(compare_methods(a, png=os.path.join(os.path.dirname(
-                    os.path.abspath(a[0])), "compare_methods_seeds{seeds}.png"))), "paper": paper_main}
+                    os.path.abspath(a[0])), "compare_methods_seeds{seeds}.png"))), "paper": paper_main,
+                "paired": lambda a: print(paired(a[2:], base=a[1]) if a[0] == "--base" else paired(a))}
     if not argv or argv[0] not in commands or (argv[0] != "paper" and len(argv) < 2) or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)

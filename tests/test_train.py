@@ -301,6 +301,11 @@ def test_compare_methods_at_equal_tokens(tmp_path, capsys):
     assert grpo[7] == "200 (1/2 reach)" and twice[8:] == ["2 +- 0", "1.0 +- 0.0 |"]  # steps, minutes
     assert report.method_of({"method": "vineppo", "vine_k": 3}) == "vineppo K=3"  # a K sweep keeps its K apart
     assert (tmp_path / "m0-1.png").stat().st_size > 1000  # named after the seeds: dev and held-out PNGs coexist
+    # paired: mean +- SE (ddof 1) over seeds, differences from the same seed's GRPO run (AUC 0.4 - 0.3, 0.3 - 0.2)
+    assert report.paired(dirs).splitlines()[2:] == [
+        "| twice | 2 | 0.350 +- 0.050 | 0.700 +- 0.100 | +0.100 +- 0.000 | +0.200 +- 0.000 |",
+        "| grpo | 2 | 0.250 +- 0.050 | 0.500 +- 0.100 | - | - |"]
+    assert "AUC - twice's" in report.paired(dirs, base="twice")
     with pytest.raises(SystemExit, match="g9 is not a run folder"):
         report.compare_methods(dirs + [str(tmp_path / "g9")])
     rows = (tmp_path / "t1" / "metrics.jsonl").read_text().splitlines()
