@@ -552,11 +552,10 @@ PAIRS = (("TWICE", "independent"), ("TWICE", "GRPO"), ("TWICE", "VinePPO K=1"), 
 def corr_differences(ests: dict, a, draws: int = 1000, seed: int = 0) -> dict:
     """{"X - Y": (corr X - corr Y, paired bootstrap SE)} for the PAIRS present: both estimators see the same resampled
     decisions, so the SE of the difference is smaller than either corr's SE when their errors share decisions."""
-    rng, out = np.random.default_rng(seed), {}
-    idx = rng.integers(0, len(a), (draws, len(a)))
+    idx, out = np.random.default_rng(seed).integers(0, len(a), (draws, len(a))), {}
+    c = lambda e, i: pearson(e[i], np.repeat(a[i][:, None], e.shape[1], 1))  # noqa: E731
     for x, y in PAIRS:
         if x in ests and y in ests:
-            c = lambda e, i: pearson(e[i], np.repeat(a[i][:, None], e.shape[1], 1))  # noqa: E731
             d = np.array([c(ests[x], i) - c(ests[y], i) for i in idx])
             d = d[np.isfinite(d)]
             out[f"{x} - {y}"] = (c(ests[x], slice(None)) - c(ests[y], slice(None)),

@@ -251,6 +251,15 @@ def load_run(d: str) -> tuple:
     return cfg, rows
 
 
+def load_runs(run_dirs) -> dict:
+    """{method: [(config, rows)]} of benchmark run folders (load_run), grouped by method_of."""
+    runs = {}
+    for d in run_dirs:
+        cfg, rows = load_run(d)
+        runs.setdefault(method_of(cfg), []).append((cfg, rows))
+    return runs
+
+
 def shared_budget(runs: dict) -> float:
     """The token budget of a set of runs {method: [(cfg, rows)]}: the largest token_budget (or tokens reached)."""
     return max(cfg["token_budget"] or max(r.get("tokens", 0) for r in rows) for m in runs.values() for cfg, rows in m)
@@ -259,14 +268,11 @@ def shared_budget(runs: dict) -> float:
 def paired(run_dirs, base: str = "grpo") -> str:
     """Markdown: per method, AUC and final EM as mean +- standard error over its seeds (sd with ddof 1 / sqrt(n)),
     and their differences from the `base` method's run of the same seed (paired: same prompts, same warm start)."""
-    runs = {}
-    for d in run_dirs:
-        cfg, rows = load_run(d)
-        runs.setdefault(method_of(cfg), []).append((cfg, rows))
+    runs = load_runs(run_dirs)
     if base not in runs:
         raise SystemExit(f"report.py paired: no {base} run among the folders: the differences are taken from it")
     budget = shared_budget(runs)
-    stats = {m: {cfg["seed"]: (auc(em_vs_tokens(rows), budget), em_vs_tokens(rows)[-1][1]) for cfg, rows in seeds}
+    stats = {m: {cfg["seed"]: (auc(c, budget), c[-1][1]) for cfg, rows in seeds for c in [em_vs_tokens(rows)]}
              for m, seeds in runs.items()}
 
     def se(x, sign=""):
@@ -288,10 +294,7 @@ def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
     up to the shared budget, area under EM-vs-tokens, final EM and the tokens it was measured at (mean), tokens to
     reach GRPO's final EM, steps, wall time; and a PNG
     of EM against generated tokens (mean, sd band). `png` may hold "{seeds}", filled with the runs' seeds ("0-1-2")."""
-    runs = {}
-    for d in run_dirs:
-        cfg, rows = load_run(d)
-        runs.setdefault(method_of(cfg), []).append((cfg, rows))
+    runs = load_runs(run_dirs)
     budget = shared_budget(runs)
     marks = [budget * (k + 1) / checkpoints for k in range(checkpoints)]
     grpo_final = np.mean([em_vs_tokens(rows)[-1][1] for _, rows in runs.get("grpo", [])]) if "grpo" in runs else None
