@@ -63,17 +63,17 @@ CMP_CFG  ?= configs/chains.cfg configs/compare-methods.cfg
 METHODS  ?= grpo twice independent vineppo gigpo hgpo arpo tree_grpo ppo igpo spa_rl agentprm craft
 CMP      ?= runs/compare-methods
 JOBS     ?= 2
+CMP_RUNS  = $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(CMP)/$(m)-seed$(s)))
 compare-methods: install
 	mkdir -p $(CMP)
 	for s in $(SEEDS); do for m in $(METHODS); do \
 	  grep -qs '"final": true' $(CMP)/$$m-seed$$s/metrics.jsonl || echo "$$m $$s"; done; done | \
-	xargs -P $(JOBS) -L 1 sh -c 'OMP_NUM_THREADS=1 $(PY) train_twice.py $(CMP_CFG) \
+	xargs -r -P $(JOBS) -L 1 sh -c 'OMP_NUM_THREADS=1 $(PY) train_twice.py $(CMP_CFG) \
 	  $(if $(filter command line,$(origin WORLD)),--world=$(WORLD)) --seed=$$1 --method=$$0 \
 	  --out_dir=$(CMP)/$$0-seed$$1 --overwrite > $(CMP)/$$0-seed$$1.log 2>&1 || \
 	  { echo "$$0 seed $$1 failed: see $(CMP)/$$0-seed$$1.log"; exit 255; }'
-	$(PY) report.py methods $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(CMP)/$(m)-seed$(s)))
-	$(if $(and $(filter grpo,$(METHODS)),$(word 2,$(SEEDS))),$(PY) report.py paired \
-	  $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(CMP)/$(m)-seed$(s))))
+	$(PY) report.py methods $(CMP_RUNS)
+	$(if $(and $(filter grpo,$(METHODS)),$(word 2,$(SEEDS))),$(PY) report.py paired $(CMP_RUNS))
 
 # Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages; the methods.py rows
 # take their knobs from the world's trainer preset (configs/demo.cfg, or configs/chains.cfg for WORLD=data/chains).
