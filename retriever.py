@@ -73,6 +73,7 @@ import array
 import asyncio
 import collections
 import concurrent.futures
+import gc
 import hashlib
 import json
 import math
@@ -865,6 +866,15 @@ def start_server(retriever, host: str = "127.0.0.1", port: int = 0, **options) -
     return server, f"http://{host}:{server.server_port}/retrieve"
 
 
+def freeze_heap():
+    """Exempt everything loaded so far (torch, transformers, the model: ~4e5 objects) from Python's cyclic garbage
+    collector. Else a full collection, due every few seconds under load, walks them all for ~160 ms while holding the
+    GIL, and every request in flight waits: that stall was the whole p99 tail of the load test (README "Retriever
+    server reliability"). Only in the server's own process: training keeps the default collector."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None, cache_size: int = 100_000,
           corpus=None, fp16: bool = False, faiss_gpu=None, **options):
     """Load the index and serve it until interrupted."""
@@ -872,6 +882,7 @@ def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None
     with make_server(retriever, host, port, **options) as server:
         print(f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve",
               flush=True)
+        freeze_heap()
         server.serve_forever()  # uvicorn stops on Ctrl-C / SIGTERM
 
 
@@ -944,7 +955,7 @@ def bench_big(url: str, big: int, every: float = 0.5) -> tuple:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         queries = bench_queries(big, "big")
         job, smalls = pool.submit(_timed_post, url, queries), []
-        while not job.done():
+        while not job.done() or not smalls:  # one small request at least, however soon the big one is answered
             time.sleep(every)
             small = bench_queries(1, f"small{len(smalls)}q")
             smalls.append((small, _timed_post(url, small)))
@@ -966,6 +977,16 @@ def bench_exactness(retriever, sent: list) -> int:
                for (_, got), want in zip(answered, wanted))
 
 
+def _cpu_seconds(pid: int):
+    """CPU time (user + system) of a running process, from /proc; None where there is no /proc (or no such pid)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: int = 4, big: int = 3000,
                  threads: int = 1, device: str = "cpu", url=None, workers=None) -> dict:
     """Start `retriever.py serve` in a child process on 127.0.0.1 (or use the server at `url`) and measure it; prints
@@ -977,6 +998,7 @@ def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: 
     command = [sys.executable, os.path.abspath(__file__), "serve", "--index", index_dir, "--port", str(port),
                "--device", device] + (["--workers", str(workers)] if workers else [])
     child = subprocess.Popen(command if url is None else ["true"], env=env)
+    measured = url is None  # the server's CPU time is read from its process: only one started here
     url = url or f"http://127.0.0.1:{port}/retrieve"
     try:
         for _ in range(600):
@@ -985,10 +1007,14 @@ def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: 
                     break
             except requests.RequestException:
                 time.sleep(0.2)
+        cpu = _cpu_seconds(child.pid) if measured else None
         load, sent = bench_load(url, clients, per_client, size)
+        cpu = _cpu_seconds(child.pid) - cpu if cpu is not None else float("nan")  # nan: not our child, or no /proc
+        load["server_cpu_ms_per_query"] = 1e3 * cpu / (load["requests"] * size)
         print(f"load: {clients} clients x {per_client} requests x {size} distinct queries: {load['errors']} errors, "
               f"p50 {load['p50_ms']:.0f} ms, p99 {load['p99_ms']:.0f} ms, max {load['max_ms']:.0f} ms, "
-              f"{load['queries_per_s']:.0f} queries/s", flush=True)
+              f"{load['queries_per_s']:.0f} queries/s, server CPU {load['server_cpu_ms_per_query']:.1f} ms per "
+              f"query", flush=True)
         interleave, sent_big = bench_big(url, big)
         print(f"big request: {big} distinct queries in {interleave['big_s']:.1f} s; meanwhile "
               f"{interleave['small_requests']} 1-query requests: max {interleave['small_max_s']:.2f} s, "
