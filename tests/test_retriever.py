@@ -556,7 +556,7 @@ def test_serve_freezes_the_loaded_heap(monkeypatch):
             return self
 
         def __exit__(self, *exc):
-            pass
+            return False  # exceptions propagate
 
         def serve_forever(self):
             seen["frozen"] = gc.get_freeze_count()
