@@ -88,7 +88,7 @@ eval: install $(WORLD)/world.json
 
 # --- paper-scale reproduction ---
 # make reproduce-3b / reproduce-7b (DESIGN.md section 10; README "Paper-scale reproduction"), on one node of 8 GPUs:
-#   1 data (data.py searchr1) -> 2 models (hf download) -> 3 retriever server (retriever.py serve, shared by all ranks)
+#   1 data (data.py searchr1) -> 2 models (hf download) -> 3 retriever server (server.py serve, shared by all ranks)
 #   -> 4 GRPO run and 5 TWICE run (accelerate launch train_twice.py, same preset, --omega=0 for GRPO)
 #   -> 6 greedy EM of both final policies on the seven test sets (eval.py, one test set per GPU) -> 7 the table
 #   runs/qwen2.5-3b-report.md (report.py paper), next to the paper's averages. The server is stopped at the end.
@@ -157,7 +157,7 @@ retriever-up:
 	$(info == step 3/7 retriever server on port $(PORT): $(EST_server))
 	mkdir -p $(RUNS)
 	if ! $(HEALTH) 2>/dev/null; then \
-	  nohup $(PY) retriever.py serve --index $(SR1)/index --host 127.0.0.1 --port $(PORT) --fp16 \
+	  nohup $(PY) server.py serve --index $(SR1)/index --host 127.0.0.1 --port $(PORT) --fp16 \
 	    > $(RUNS)/retriever.log 2>&1 & echo $$! > $(RUNS)/retriever.pid; fi
 	for i in $$(seq 360); do $(HEALTH) 2>/dev/null && exit 0; \
 	  if [ -f $(RUNS)/retriever.pid ] && ! kill -0 $$(cat $(RUNS)/retriever.pid) 2>/dev/null; then \

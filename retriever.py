@@ -1,5 +1,9 @@
 """Dense retrieval for the search agent: a transformer encoder (E5, MiniLM) + an exact inner-product FAISS index.
 
+The library: encoders and their prefixes, corpus and index folders, in-process search (`DenseRetriever`) and the
+client of a Search-R1 compatible HTTP server (`RemoteRetriever`). It knows nothing of serving: the HTTP server and its
+load bench are server.py, which imports this file (never the reverse).
+
 Contract (DESIGN.md sections 3 and 10; Search-R1 compatible)
 - Corpus: jsonl rows {"id": str | int, "contents": "\\"Title\\"\\ntext"} (wiki-18's format). The index folder keeps
   each row's byte offset and rows are read on demand, so the 13 GB of wiki-18 never sit in memory.
@@ -9,12 +13,12 @@ Contract (DESIGN.md sections 3 and 10; Search-R1 compatible)
       e(x) = u(x) / ||u(x)||_2                (L2 normalisation)
 - Score: s(q, d) = <e(q), e(d)> (cosine), top-k over all rows (IndexFlatIP), ties broken by row number.
 - Observation text: `format_docs`, Search-R1's `_passages2string` byte for byte.
-- HTTP (Search-R1's retrieval server): POST /retrieve {"queries": [str, ...], "topk": k, "return_scores": bool}
-  -> {"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...] per query]};
-  GET /health -> {"status": "ok", "n_rows": N}. As in Search-R1, "queries": [] answers {"result": []} and "" is a query
-  like any other. Served by uvicorn (as Search-R1); `--workers` encoder threads (default: CPU cores // torch threads,
-  1 on a GPU) each take a round of the waiting requests' queries (ROUND_TOKENS tokens), round-robin, SLICE_QUERIES
-  at a time, so concurrent requests share forwards and a huge one does not stall the rest.
+- Index folder: index.faiss (or the path of a prebuilt flat index, e.g. Search-R1's e5_Flat.index, which
+  `search_r1_index_dir` gives a folder beside it), offsets.npy, meta.json (encoder, prefixes, corpus fingerprint). A
+  folder that no longer matches its corpus is refused, naming what changed.
+- Client: `RemoteRetriever.search` posts {"queries": [...], "topk": k, "return_scores": true} to POST /retrieve of a
+  Search-R1 compatible server (server.py's or Search-R1's own) and returns what `DenseRetriever.search` returns;
+  refused connections and 5xx answers are retried, any other refusal is raised at once.
 
 Determinism: a query's results are a pure function of its text, whatever batch it comes in (a twin episode,
 DESIGN.md section 5, replays a query inside another batch and must see the same documents):
@@ -35,53 +39,31 @@ DESIGN.md section 5, replays a query inside another batch and must see the same 
       could only matter if more than CANDIDATE_MARGIN rows were within float32 rounding of the k-th score. Rows that
       a float64 sum and its error bound rule out of the top k are not summed exactly (`exact_top`): same answer.
 
-Deviations from Search-R1 (README "Deviations"; tagged `# DEVIATION S<n>:` in the code)
+Deviations from Search-R1 (README "Deviations"; tagged `# DEVIATION S<n>:` in the code; the server's: server.py)
 S1. Scores are the exact inner products of (2), not FAISS's float32 sums (they differ by ~1e-7).
-S2. "return_scores": false (the default of Search-R1's schema) answers [{"document": {...}}, ...] per query, where
-   Search-R1's server crashes. "topk" defaults to 3 and must be in [1, 100]; a topk above the corpus size returns
-   every row (FAISS would pad with row -1).
-S3. Malformed requests get HTTP 400 {"error": "..."} naming the field (FastAPI: 422).
+S2. A topk above the corpus size returns every row (FAISS would pad with row -1); the rest of S2 is the server's.
 S4. An fp16 encoder's hidden states are pooled and normalised in float32 (Search-R1 pools in fp16).
-Server deviations (README "Retriever server reliability")
-S10. At most MAX_QUERIES queries per request (400 naming the cap; --max_queries); Search-R1 has no cap.
-S11. A query that is not valid Unicode (a lone surrogate) is refused with 400; Search-R1's server answers 500.
-S12. A request head must arrive within HEAD_TIMEOUT s and its body within BODY_TIMEOUT s (else closed / 408);
-     uvicorn alone waits for ever. JSON nested too deeply for the parser gets 400.
-S13. It listens on 127.0.0.1 unless --host 0.0.0.0 is given (Search-R1 always binds 0.0.0.0), and the encoder runs
-     in float32 unless --fp16 is given (Search-R1's launcher always uses fp16).
+S10. At most MAX_QUERIES queries per search (`check_queries`: a ValueError naming the cap); Search-R1 has no cap.
+S11. A query that is not valid Unicode (a lone surrogate) is refused with a ValueError: the tokenizer would fail.
 S14. Queries are encoded in packs or fixed-shape batches, Determinism (1) (Search-R1 pads free-size batches of 512).
 
-Commands
-  # tiny world (CPU): build, query, serve
+Commands (serving an index: server.py)
+  # tiny world (CPU): build, query
   python retriever.py build --corpus data/tinyworld/corpus.jsonl --encoder minilm --out data/tinyworld/index
   python retriever.py search --index data/tinyworld/index --topk 3 "who founded the city"
-  python retriever.py serve --index data/tinyworld/index --port 8000
-  OMP_NUM_THREADS=1 python retriever.py serve --index data/tinyworld/index  # CPU: a worker per core, 1 thread each
-  # wiki-18 with Search-R1's prebuilt E5 flat index (no re-encoding), searched on the GPUs when there are any
+  # wiki-18 with Search-R1's prebuilt E5 flat index (no re-encoding)
   python retriever.py describe-prebuilt --index_file e5_Flat.index --corpus wiki-18.jsonl --out data/wiki18/index
-  python retriever.py serve --index data/wiki18/index --host 0.0.0.0 --port 8000 --fp16
-  # Search-R1's retrieval_launch.sh line, our script name substituted (the index file gets an index folder beside it)
-  python retriever.py --index_path $file_path/e5_Flat.index --corpus_path $file_path/wiki-18.jsonl --topk 3 \
-      --retriever_name e5 --retriever_model intfloat/e5-base-v2 --faiss_gpu
-  # load test of a server on this machine (README "Retriever server reliability")
-  python retriever.py bench-server --index data/tinyworld/index
   # or encode wiki-18 yourself (one GPU)
   python retriever.py build --corpus wiki-18.jsonl --encoder e5 --out data/wiki18/index_e5 --batch_size 512 --fp16
 """
 import argparse
 import array
-import asyncio
 import collections
-import concurrent.futures
-import gc
 import hashlib
 import json
 import math
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -91,35 +73,21 @@ import faiss
 import numpy as np
 import requests
 import torch
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 from tqdm import tqdm
 from transformers import AutoModel, AutoTokenizer
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 E5 = "intfloat/e5-base-v2"
 # known encoders -> (query prefix, passage prefix); any other with "e5" in its name gets E5's (Search-R1's rule)
 ENCODER_PREFIXES = {"e5": ("query: ", "passage: "), E5: ("query: ", "passage: "), "minilm": ("", "")}
 MAX_LENGTH = 256  # tokens per query or passage (Search-R1 retrieval_query_max_length)
 TOPK = 3  # documents per search (Search-R1 retrieval_topk)
-MAX_TOPK = 100  # largest topk the server accepts
 CANDIDATE_MARGIN = 16  # extra FAISS candidates re-scored exactly, Determinism (2)
 FINGERPRINT_BYTES = 1 << 20  # bytes hashed at each end of the corpus
-MAX_BODY_BYTES = 16 << 20  # largest request body the server reads
 PACK_TOKENS = 128  # token rows of every packed query forward, Determinism (1a); per token within ~6% of 256 or 512
 #                   on CPU, and half their cost for a query alone
 QUERY_ROWS = 8  # rows of every padded query forward, Determinism (1b)
 LENGTH_STEP = 8  # (1b): query token lengths are padded up to a multiple of this: fewer shapes, fuller batches
 MAX_QUERIES = 10_000  # queries per request (Search-R1's trainer sends <= 512 x 5 per turn), DEVIATION S10
-SLICE_QUERIES = 8  # queries a request gets per turn of the server's round-robin
-ROUND_TOKENS = 2 * PACK_TOKENS - 8  # query tokens encoded together per round, at most: a request waits for a round in
-#   progress, then its own. Two packs, less a little so that longest-first packing rarely needs a third: packs 93%
-#   full on the benchmark's queries, against 82% for rounds of 16 queries (64: 91%, but 4x longer waits)
-BACKLOG = 2048  # listen queue (uvicorn's default; http.server's 5 dropped SYNs: 1 s retransmit tails)
-HEAD_TIMEOUT, BODY_TIMEOUT = 30.0, 60.0  # seconds a client may take to send a request head, then its body
 INDEX_FILE, OFFSETS_FILE, META_FILE = "index.faiss", "offsets.npy", "meta.json"
 
 
@@ -449,6 +417,30 @@ def load_index_dir(index_dir: str, corpus=None) -> tuple:
     return meta, offsets, corpus, index_path
 
 
+def search_r1_prefixes(retriever_name: str) -> tuple:
+    """Search-R1's Encoder.encode rule: "e5" in the name -> E5 prefixes; "bge" -> its query instruction."""
+    name = retriever_name.lower()
+    if "e5" in name:
+        return "query: ", "passage: "
+    return ("Represent this sentence for searching relevant passages: " if "bge" in name else ""), ""
+
+
+def search_r1_index_dir(index_path: str, corpus: str, encoder: str, retriever_name: str) -> str:
+    """Search-R1 passes an index *file*; ours is a folder (meta, offsets). A file gets the folder `<file>.twice` beside
+    it, described once (one scan of the corpus, nothing encoded) and reused while it records the same inputs."""
+    if os.path.isdir(index_path):
+        return index_path
+    out, prefixes = index_path + ".twice", search_r1_prefixes(retriever_name)
+    wanted = (os.path.abspath(index_path), encoder, *prefixes, os.path.abspath(corpus))
+    if os.path.exists(os.path.join(out, META_FILE)):
+        with open(os.path.join(out, META_FILE)) as f:
+            meta = json.load(f)
+        if tuple(meta[k] for k in ("index_file", "encoder", "query_prefix", "passage_prefix", "corpus")) == wanted:
+            return out
+    describe_prebuilt(index_path, corpus, encoder, out_dir=out, query_prefix=prefixes[0], passage_prefix=prefixes[1])
+    return out
+
+
 def load_vectors(index_path: str, meta: dict, gpu: bool) -> tuple:
     """-> (exact float32 vectors for re-scoring, the index to search: the same, or its copy sharded over all GPUs)."""
     vectors = read_flat_index(index_path, mmap=gpu)  # with GPUs the host copy is only mapped, not loaded
@@ -603,434 +595,9 @@ class RemoteRetriever:
         raise RuntimeError(f"retriever {self.url} failed after {self.retries + 1} attempts; last error: {error}")
 
 
-# --- HTTP server (Search-R1's POST /retrieve) ---
-
-def parse_request(payload, default_topk: int = TOPK, max_queries: int = MAX_QUERIES) -> tuple:
-    """A /retrieve body -> (queries, topk, return_scores); ValueError naming the bad field."""
-    if not isinstance(payload, dict):
-        raise ValueError("the request body must be a JSON object")
-    queries = check_queries(payload.get("queries"), max_queries)
-    topk = default_topk if payload.get("topk") is None else payload["topk"]
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
-        raise ValueError(f"field 'topk' must be an integer in [1, {MAX_TOPK}], got {topk!r}")
-    return_scores = payload.get("return_scores", False)
-    if not isinstance(return_scores, bool):
-        raise ValueError(f"field 'return_scores' must be true or false, got {return_scores!r}")
-    return queries, topk, return_scores
-
-
-def parse_body(body: bytes, default_topk: int = TOPK, max_queries: int = MAX_QUERIES) -> tuple:
-    try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"the request body is not valid JSON ({e})") from None
-    except RecursionError:  # DEVIATION S12: the connection used to die with no reply
-        raise ValueError("the request body is JSON nested too deeply") from None
-    return parse_request(payload, default_topk, max_queries)
-
-
-def _wire(doc: dict, return_scores: bool) -> dict:
-    item = {"document": {"id": doc["id"], "contents": doc["contents"]}}
-    if return_scores:  # DEVIATION S2: without return_scores Search-R1's server crashes; here the score is left out
-        item["score"] = doc["score"]
-    return item
-
-
-class Job:
-    """One request's queries, answered slice by slice."""
-
-    def __init__(self, queries: list, topk: int, costs: list):
-        self.items, self.done, self.next = [(query, topk) for query in queries], [None] * len(queries), 0
-        self.costs = costs  # per query, in the units of the round budget (tokens)
-        self.left = len(queries)  # queries not answered yet: with several workers, slices finish in any order
-        self.future = concurrent.futures.Future()
-
-
-class Batcher:
-    """The threads that encode for the server (`workers`, each searching one round at a time). Each round takes up to
-    SLICE_QUERIES queries from each waiting request in turn (round-robin), until the next one would pass the round's
-    budget (`round_cost`; cost(queries) gives each one's, e.g. its tokens; default 1), and searches them together:
-    concurrent requests share forwards, and a request of thousands of queries is split so that small ones interleave
-    with it. An idle worker starts a round beside a busy one only once a full round waits."""
-
-    def __init__(self, retriever, slice_queries: int = SLICE_QUERIES, round_cost: int = ROUND_TOKENS, workers: int = 1,
-                 cost=None):
-        self.retriever, self.slice, self.round, self.workers = retriever, slice_queries, round_cost, workers
-        self.cost = cost or (lambda queries: [1] * len(queries))
-        self._waiting, self._wake, self._closed = collections.deque(), threading.Condition(), False
-        self._queued = self._idle = 0  # cost (tokens) of the queries not yet taken; workers waiting for a round
-        for i in range(workers):
-            threading.Thread(target=self._loop, daemon=True, name=f"retriever-batcher-{i}").start()
-
-    def submit(self, queries: list, topk: int) -> concurrent.futures.Future:
-        job = Job(queries, topk, self.cost(queries) if queries else [])
-        if not queries:  # Search-R1's trainer sends [] when no rollout searched
-            job.future.set_result([])
-            return job.future
-        with self._wake:
-            self._waiting.append(job)
-            self._queued += sum(job.costs)
-            self._wake.notify()
-        return job.future
-
-    def close(self):
-        with self._wake:
-            self._closed = True
-            self._wake.notify_all()
-
-    def _next_round(self) -> list:
-        """[(job, start, end), ...]: round-robin slices; a job with queries left goes back to the end of the line."""
-        with self._wake:
-            self._idle += 1
-            # beside a busy worker, only a full round starts: a few queries would fill their packs badly
-            while not self._closed and (not self._waiting or self._idle < self.workers and self._queued < self.round):
-                self._wake.wait()
-            taken, budget = [], self.round
-            self._idle -= 1
-            while self._waiting:
-                job = self._waiting[0]
-                start = end = job.next
-                stop = min(start + self.slice, len(job.items))
-                while end < stop and (job.costs[end] <= budget or not taken and end == start):  # one query at least
-                    budget -= job.costs[end]
-                    end += 1
-                if end == start:  # its next query does not fit: the round is full
-                    break
-                self._waiting.popleft()
-                job.next = end
-                taken.append((job, start, end))
-                self._queued -= sum(job.costs[start:end])
-                if end < len(job.items):
-                    self._waiting.append(job)
-            if self._waiting:
-                self._wake.notify()  # the next idle worker takes the rest
-            return taken
-
-    def _loop(self):
-        while not self._closed:
-            taken = self._next_round()
-            if not taken:  # closed
-                continue
-            try:
-                docs = self.retriever.search_batch([item for job, a, b in taken for item in job.items[a:b]])
-            except Exception as e:  # keep serving; these requests see why
-                with self._wake:
-                    for job, _, _ in taken:
-                        if not job.future.done():
-                            job.future.set_exception(e)
-                continue
-            with self._wake:
-                for job, start, end in taken:
-                    job.done[start:end], docs = docs[:end - start], docs[end - start:]
-                    job.left -= end - start
-                    if job.left == 0 and not job.future.done():
-                        job.future.set_result(job.done)
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
-
-
-async def _read_body(request: Request) -> bytes:
-    """The body, at most MAX_BODY_BYTES (a Content-Length or chunked encoding is required); ValueError otherwise."""
-    length = request.headers.get("content-length", "")
-    chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
-    if not chunked and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-        raise ValueError(f"the body needs a Content-Length of at most {MAX_BODY_BYTES} bytes, got {length[:20]!r}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ValueError(f"the body is longer than {MAX_BODY_BYTES} bytes (Content-Length)")
-    return bytes(body)
-
-
-def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_queries: int = MAX_QUERIES,
-             body_timeout: float = BODY_TIMEOUT) -> Starlette:
-    """The ASGI app: POST /retrieve, GET /health, a JSON 404 elsewhere. CPU work (parsing, searching, writing the
-    answer) runs off the event loop, so slow or huge requests never hold up the others' I/O."""
-
-    async def retrieve(request: Request) -> Response:
-        try:
-            body = await asyncio.wait_for(_read_body(request), body_timeout)
-        except asyncio.TimeoutError:  # DEVIATION S12: a slow client is cut off
-            return _error(408, f"the request body did not arrive within {body_timeout} s")
-        except ValueError as e:
-            return _error(400, str(e))
-        loop = asyncio.get_running_loop()
-
-        def parse_and_submit() -> tuple:  # submitting tokenizes the queries (the rounds' measure)
-            queries, topk, return_scores = parse_body(body, default_topk, max_queries)
-            return batcher.submit(queries, topk), return_scores
-
-        try:
-            answered, return_scores = await loop.run_in_executor(None, parse_and_submit)
-        except ValueError as e:  # DEVIATION S3: 400 naming the field (FastAPI: 422 in its own shape)
-            return _error(400, str(e))
-        try:
-            results = await asyncio.wrap_future(answered)
-        except Exception as e:  # keep serving; the client sees why
-            return _error(500, f"{type(e).__name__}: {e}")
-        data = await loop.run_in_executor(None, lambda: json.dumps(
-            {"result": [[_wire(doc, return_scores) for doc in docs] for docs in results]}).encode())
-        return Response(data, media_type="application/json")
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "n_rows": n_rows})
-
-    async def not_found(request: Request) -> Response:
-        return _error(404, f"unknown path {request.url.path}; use POST /retrieve or GET /health")
-
-    return Starlette(routes=[Route("/retrieve", retrieve, methods=["POST"]), Route("/health", health),
-                             Route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "HEAD"])])
-
-
-class _DeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol plus a deadline for each request head: uvicorn has none, so a client that connects and
-    then sends nothing (or a byte now and then) would hold its connection for ever. DEVIATION S12."""
-    head_timeout = HEAD_TIMEOUT
-
-    def connection_made(self, transport):
-        super().connection_made(transport)
-        self._arm_head_deadline()
-
-    def on_response_complete(self):
-        super().on_response_complete()
-        self._arm_head_deadline()
-
-    def _arm_head_deadline(self):
-        cycle = self.cycle  # replaced as soon as the next request head is complete
-        self.loop.call_later(self.head_timeout, lambda: self.cycle is cycle and not self.transport.is_closing()
-                             and self.transport.close())
-
-
-def default_workers(device: torch.device) -> int:
-    """Encoder threads of the server: on a CPU as many forwards at once as the cores hold at torch's thread count
-    (OMP_NUM_THREADS=1 on 2 cores: 2; results do depend on that thread count, not on the number of workers); 1 on a
-    GPU."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // torch.get_num_threads()) if device.type == "cpu" else 1
-
-
-class RetrievalServer:
-    """uvicorn serving `make_app` on a socket bound at construction (port 0 picks a free port: read server_port), with
-    the interface of the http.server it replaces: serve_forever, shutdown, server_close, a context manager."""
-
-    def __init__(self, retriever, host: str = "127.0.0.1", port: int = 8000, *, default_topk: int = TOPK,
-                 max_queries: int = MAX_QUERIES, head_timeout: float = HEAD_TIMEOUT,
-                 body_timeout: float = BODY_TIMEOUT, workers=None):
-        workers = workers or default_workers(retriever.encoder.device)
-        self.batcher = Batcher(retriever, workers=workers, cost=retriever.encoder.query_tokens)
-        self.retriever = retriever
-        self.socket = socket.create_server((host, port), backlog=BACKLOG)
-        self.server_port = self.socket.getsockname()[1]
-        protocol = type("_Protocol", (_DeadlineH11,), {"head_timeout": head_timeout})
-        app = make_app(self.batcher, retriever.n_rows, default_topk, max_queries, body_timeout)
-        config = uvicorn.Config(app, http=protocol, lifespan="off", access_log=False, log_level="warning",
-                                backlog=BACKLOG)
-        self.uvicorn, self._stopped = uvicorn.Server(config), threading.Event()
-        self._stopped.set()
-
-    def serve_forever(self):
-        self._stopped.clear()
-        try:
-            self.uvicorn.run(sockets=[self.socket])
-        finally:
-            self._stopped.set()
-
-    def shutdown(self):
-        self.uvicorn.should_exit = True
-        self._stopped.wait()
-
-    def server_close(self):
-        self.socket.close()
-        self.batcher.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.server_close()
-
-
-def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, **options) -> RetrievalServer:
-    """A server over `retriever`, not yet serving; options: default_topk, max_queries, head_timeout, body_timeout,
-    workers."""
-    return RetrievalServer(retriever, host, port, **options)
-
-
-def start_server(retriever, host: str = "127.0.0.1", port: int = 0, **options) -> tuple:
-    """Serve in a daemon thread -> (server, url of /retrieve); stop with server.shutdown(); server.server_close()."""
-    server = make_server(retriever, host, port, **options)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://{host}:{server.server_port}/retrieve"
-
-
-def freeze_heap():
-    """Exempt everything loaded so far (torch, transformers, the model: ~4e5 objects) from Python's cyclic garbage
-    collector. Else a full collection, due every few seconds under load, walks them all for ~160 ms while holding the
-    GIL, and every request in flight waits: that stall was the whole p99 tail of the load test (README "Retriever
-    server reliability"). Only in the server's own process: training keeps the default collector."""
-    gc.collect()
-    gc.freeze()
-
-
-def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None, cache_size: int = 100_000,
-          corpus=None, fp16: bool = False, faiss_gpu=None, **options):
-    """Load the index and serve it until interrupted."""
-    retriever = DenseRetriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu)
-    with make_server(retriever, host, port, **options) as server:
-        print(f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve",
-              flush=True)
-        freeze_heap()
-        server.serve_forever()  # uvicorn stops on Ctrl-C / SIGTERM
-
-
-def search_r1_prefixes(retriever_name: str) -> tuple:
-    """Search-R1's Encoder.encode rule: "e5" in the name -> E5 prefixes; "bge" -> its query instruction."""
-    name = retriever_name.lower()
-    if "e5" in name:
-        return "query: ", "passage: "
-    return ("Represent this sentence for searching relevant passages: " if "bge" in name else ""), ""
-
-
-def search_r1_index_dir(index_path: str, corpus: str, encoder: str, retriever_name: str) -> str:
-    """Search-R1 passes an index *file*; ours is a folder (meta, offsets). A file gets the folder `<file>.twice` beside
-    it, described once (one scan of the corpus, nothing encoded) and reused while it records the same inputs."""
-    if os.path.isdir(index_path):
-        return index_path
-    out, prefixes = index_path + ".twice", search_r1_prefixes(retriever_name)
-    wanted = (os.path.abspath(index_path), encoder, *prefixes, os.path.abspath(corpus))
-    if os.path.exists(os.path.join(out, META_FILE)):
-        with open(os.path.join(out, META_FILE)) as f:
-            meta = json.load(f)
-        if tuple(meta[k] for k in ("index_file", "encoder", "query_prefix", "passage_prefix", "corpus")) == wanted:
-            return out
-    describe_prebuilt(index_path, corpus, encoder, out_dir=out, query_prefix=prefixes[0], passage_prefix=prefixes[1])
-    return out
-
-
-# --- load test of a server (README "Retriever server reliability") ---
-
-BENCH_WORDS = ("who founded the city river king painter ship festival language mountain when was born where is "
-               "capital of first second largest oldest famous author song film country which year did").split()
-
-
-def bench_queries(n: int, tag: str, seed: int = 0) -> list:
-    """n distinct agent-like queries of 2-10 words (a numbered tag keeps them distinct: no cache hit helps)."""
-    rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(BENCH_WORDS, rng.integers(2, 11))) + f" {tag}{i}" for i in range(n)]
-
-
-def _timed_post(url: str, queries: list, topk: int = TOPK) -> tuple:
-    start = time.perf_counter()
-    try:
-        answer = requests.post(url, json={"queries": queries, "topk": topk, "return_scores": True}, timeout=120)
-        result = answer.json()["result"] if answer.status_code == 200 else f"HTTP {answer.status_code}"
-    except (requests.RequestException, ValueError, KeyError) as e:
-        result = f"{type(e).__name__}: {e}"
-    return time.perf_counter() - start, result
-
-
-def bench_load(url: str, clients: int, per_client: int, size: int) -> tuple:
-    """clients threads, each sending per_client requests of `size` distinct queries in turn -> (stats, sent)."""
-    sent = [bench_queries(size, f"c{c}r{r}q", seed=c * 1000 + r) for c in range(clients) for r in range(per_client)]
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        start = time.perf_counter()
-        lines = [pool.submit(lambda c: [_timed_post(url, q) for q in sent[c::clients]], c) for c in range(clients)]
-        answers = [None] * len(sent)
-        for c, line in enumerate(lines):
-            answers[c::clients] = line.result()
-        wall = time.perf_counter() - start
-    seconds = np.array([s for s, _ in answers])
-    errors = [r for _, r in answers if isinstance(r, str)]
-    stats = {"requests": len(sent), "errors": len(errors), "first_error": errors[:1],
-             "p50_ms": 1e3 * np.median(seconds), "p99_ms": 1e3 * np.percentile(seconds, 99),
-             "max_ms": 1e3 * seconds.max(), "wall_s": wall, "queries_per_s": len(sent) * size / wall}
-    return stats, list(zip(sent, [r for _, r in answers]))
-
-
-def bench_big(url: str, big: int, every: float = 0.5) -> tuple:
-    """One request of `big` distinct queries; meanwhile a 1-query request every `every` s -> (stats, sent)."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        queries = bench_queries(big, "big")
-        job, smalls = pool.submit(_timed_post, url, queries), []
-        while not job.done() or not smalls:  # one small request at least, however soon the big one is answered
-            time.sleep(every)
-            small = bench_queries(1, f"small{len(smalls)}q")
-            smalls.append((small, _timed_post(url, small)))
-        big_s, big_result = job.result()
-    small_s = [s for _, (s, _) in smalls]
-    stats = {"big_queries": big, "big_s": big_s, "small_requests": len(smalls), "small_max_s": max(small_s),
-             "small_median_s": float(np.median(small_s)),
-             "errors": sum(isinstance(r, str) for _, (_, r) in smalls) + isinstance(big_result, str)}
-    return stats, [(queries, big_result)] + [(q, r) for q, (_, r) in smalls]
-
-
-def bench_exactness(retriever, sent: list) -> int:
-    """How many answered queries differ from in-process search (ids, or scores by a single bit)."""
-    answered = [(query, docs) for queries, result in sent if not isinstance(result, str)
-                for query, docs in zip(queries, result)]
-    wanted = retriever.search([query for query, _ in answered])  # one call: the batch cannot matter, Determinism (1)
-    return sum([(d["document"]["id"], np.float64(d["score"]).tobytes()) for d in got]
-               != [(d["id"], np.float64(d["score"]).tobytes()) for d in want]
-               for (_, got), want in zip(answered, wanted))
-
-
-def _cpu_seconds(pid: int):
-    """CPU time (user + system) of a running process, from /proc; None where there is no /proc (or no such pid)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: int = 4, big: int = 3000,
-                 threads: int = 1, device: str = "cpu", url=None, workers=None) -> dict:
-    """Start `retriever.py serve` in a child process on 127.0.0.1 (or use the server at `url`) and measure it; prints
-    and returns the figures. Exactness compares with this file's in-process search."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    command = [sys.executable, os.path.abspath(__file__), "serve", "--index", index_dir, "--port", str(port),
-               "--device", device] + (["--workers", str(workers)] if workers else [])
-    child = subprocess.Popen(command if url is None else ["true"], env=env)
-    measured = url is None  # the server's CPU time is read from its process: only one started here
-    url = url or f"http://127.0.0.1:{port}/retrieve"
-    try:
-        for _ in range(600):
-            try:
-                if requests.get(url.replace("/retrieve", "/health"), timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.2)
-        cpu = _cpu_seconds(child.pid) if measured else None
-        load, sent = bench_load(url, clients, per_client, size)
-        cpu = _cpu_seconds(child.pid) - cpu if cpu is not None else float("nan")  # nan: not our child, or no /proc
-        load["server_cpu_ms_per_query"] = 1e3 * cpu / (load["requests"] * size)
-        print(f"load: {clients} clients x {per_client} requests x {size} distinct queries: {load['errors']} errors, "
-              f"p50 {load['p50_ms']:.0f} ms, p99 {load['p99_ms']:.0f} ms, max {load['max_ms']:.0f} ms, "
-              f"{load['queries_per_s']:.0f} queries/s, server CPU {load['server_cpu_ms_per_query']:.1f} ms per "
-              f"query", flush=True)
-        interleave, sent_big = bench_big(url, big)
-        print(f"big request: {big} distinct queries in {interleave['big_s']:.1f} s; meanwhile "
-              f"{interleave['small_requests']} 1-query requests: max {interleave['small_max_s']:.2f} s, "
-              f"median {interleave['small_median_s']:.2f} s; {interleave['errors']} errors", flush=True)
-    finally:
-        child.terminate()
-        child.wait(timeout=60)
-    torch.set_num_threads(threads)
-    retriever = DenseRetriever(index_dir, device, cache_size=0)
-    differ = bench_exactness(retriever, sent + sent_big)
-    print(f"exactness: {differ} of {sum(len(q) for q, _ in sent + sent_big)} queries differ from in-process search")
-    return {"load": load, "interleave": interleave, "differ": differ}
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Dense retriever: build an index, search it, serve it.")
+    parser = argparse.ArgumentParser(description="Dense retriever: build an index, describe a prebuilt one, search "
+                                                 "it (serve it: server.py).")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="encode a jsonl corpus into an index folder")
     build.add_argument("--encoder", required=True, help="minilm, e5, a local folder or a hub id")
@@ -1047,43 +614,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     search = sub.add_parser("search", help="print the top-k documents of each query")
     search.add_argument("--topk", type=int, default=TOPK)
     search.add_argument("queries", nargs="+")
-    server = sub.add_parser("serve", help="Search-R1 compatible HTTP server (also: Search-R1's launch flags alone)")
-    server.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines (DEVIATION S13)")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--cache_size", type=int, default=100_000)
-    server.add_argument("--topk", type=int, default=TOPK, help="for requests without 'topk' (Search-R1 --topk)")
-    server.add_argument("--max_queries", type=int, default=MAX_QUERIES, help="queries per request (DEVIATION S10)")
-    server.add_argument("--retriever_name", default="e5", help="Search-R1's: sets the prefixes of an index file")
-    server.add_argument("--retriever_model", default=E5, help="Search-R1's: the encoder of an index file")
-    server.add_argument("--faiss_gpu", action="store_true", help="Search-R1's: FAISS on the GPUs (default: if any)")
-    bench = sub.add_parser("bench-server", help="load test of a server started on 127.0.0.1 (README reliability)")
-    bench.add_argument("--clients", type=int, default=16)
-    bench.add_argument("--requests", type=int, default=40, help="per client")
-    bench.add_argument("--queries", type=int, default=4, help="distinct queries per request")
-    bench.add_argument("--big", type=int, default=3000, help="queries of the big request")
-    bench.add_argument("--threads", type=int, default=1, help="torch threads of the server (OMP_NUM_THREADS)")
-    bench.add_argument("--index", default="data/tinyworld/index")
-    bench.add_argument("--url", default=None, help="measure this running server instead of starting one")
-    for p in (server, bench):
-        p.add_argument("--workers", type=int, default=None,
-                       help="encoder threads of the server (default: CPU cores // torch threads; 1 on a GPU)")
-    for p in (search, server):  # --index_path / --corpus_path: Search-R1's names; an index file is accepted too
-        p.add_argument("--index", "--index_path", dest="index", required=True)
-        p.add_argument("--corpus", "--corpus_path", dest="corpus", default=None,
-                       help="the corpus, if it moved since the build (required with an index file)")
-    for p in (build, search, server, bench):
-        p.add_argument("--device", default=None if p is not bench else "cpu", help="default: cuda if any, else cpu")
-    for p in (build, search, server):
+    # --index_path / --corpus_path: Search-R1's names (server.py serve takes the same)
+    search.add_argument("--index", "--index_path", dest="index", required=True)
+    search.add_argument("--corpus", "--corpus_path", dest="corpus", default=None,
+                        help="the corpus, if it moved since the build (required with an index file)")
+    for p in (build, search):
+        p.add_argument("--device", default=None, help="default: cuda if any, else cpu")
         p.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0].startswith("--") and argv[0] != "--help":  # Search-R1's launch line names no subcommand
-        argv = ["serve", *argv]
-    args = parser.parse_args(argv)
-    if args.command == "serve" and "bm25" in args.retriever_name.lower():
-        parser.error("--retriever_name bm25: only dense retrievers are served here")
-    if args.command == "serve" and os.path.isfile(args.index) and not args.corpus:
-        parser.error(f"--index_path {args.index} is an index file: give its corpus with --corpus_path")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None):
@@ -1097,20 +635,11 @@ def main(argv=None):
                                  max_length=args.max_length, query_prefix=args.query_prefix,
                                  passage_prefix=args.passage_prefix)
         print(f"described {args.index_file} in {args.out}: {meta['n_rows']} rows, dim {meta['dim']}")
-    elif args.command == "search":
+    else:
         retriever = DenseRetriever(args.index, args.device, corpus=args.corpus, fp16=args.fp16)
         for query, docs in zip(args.queries, retriever.search(args.queries, args.topk)):
             scores = " ".join(f"{d['score']:.6f}" for d in docs)
             print(f"# query: {query}\n{format_docs(docs)}# ids: {' '.join(d['id'] for d in docs)}\n# scores: {scores}")
-    elif args.command == "bench-server":
-        bench_server(args.index, args.clients, args.requests, args.queries, args.big, args.threads, args.device,
-                     args.url, args.workers)
-    else:
-        index = search_r1_index_dir(args.index, args.corpus, args.retriever_model, args.retriever_name)
-        corpus = None if index != args.index else args.corpus  # a described folder records its corpus
-        serve(index, args.host, args.port, args.device, args.cache_size, corpus, args.fp16,
-              True if args.faiss_gpu else None, default_topk=args.topk, max_queries=args.max_queries,
-              workers=args.workers)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import report
 import retriever
 import rollout
 import train_twice as tt
+from server import start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT = "5ea4c4f2d81f4d2b1e5bd6b1f0c3a9e7d2c4b6a8"
@@ -355,7 +356,7 @@ def test_make_reproduce_dry_run_prints_every_step_and_runs_nothing(tmp_path, siz
     text, run = proc.stdout, f"{runs}/qwen2.5-{size}"
     launch = f"accelerate launch --config_file configs/{accel} train_twice.py configs/qwen2.5-{size}.cfg"
     steps = [f"data.py searchr1 --out {sr1}", f"hf download Qwen/Qwen2.5-{size.upper()}",
-             f"retriever.py serve --index {sr1}/index",
+             f"server.py serve --index {sr1}/index",
              f"{launch} --out_dir={run}-grpo --retriever_url=http://127.0.0.1:8000/retrieve --omega=0",
              f"{launch} --out_dir={run}-twice --retriever_url=http://127.0.0.1:8000/retrieve",
              f"eval.py --model $policy --data {sr1}/test/$t.jsonl --retriever_url http://127.0.0.1:8000/retrieve",
@@ -441,7 +442,7 @@ def test_one_training_step_with_qwen_bpe_and_the_3b_preset(hub, qwen_tiny, tmp_p
     manifest = data.prepare_searchr1(out, index="build", encoder="minilm", fetch=fake.fetch, info=fake.info,
                                      expected_rows=ROWS, val_per_source=1)
     assert manifest["outputs"]["index_file"] is None and "part_aa" not in {f for f, _ in fake.calls}
-    server, url = retriever.start_server(retriever.DenseRetriever(os.path.join(out, "index")))
+    server, url = start_server(retriever.DenseRetriever(os.path.join(out, "index")))
     try:
         run = str(tmp_path / "run")
         cfg = tt.parse_config([os.path.join(ROOT, "configs", "qwen2.5-3b.cfg"), f"--model={qwen_dir}",

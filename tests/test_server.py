@@ -1,0 +1,399 @@
+"""Tests for server.py (the Search-R1 compatible HTTP server and its load bench) over test_retriever.py's 50-row
+MiniLM index (CPU, offline), and for RemoteRetriever against it."""
+import ast
+import concurrent.futures
+import gc
+import http.client
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+import retriever as R
+import server as S
+from test_retriever import KINDS, NAME0, ROOT, dense, fresh, one_thread, world  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def url(dense):
+    server, url = S.start_server(dense)
+    yield url
+    server.shutdown()
+    server.server_close()
+
+
+def test_retriever_knows_nothing_of_serving():
+    """server.py imports retriever.py, never the reverse: the library loads no web framework."""
+    tree = ast.parse(open(os.path.join(ROOT, "retriever.py"), encoding="utf-8").read())
+    imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"server", "uvicorn", "starlette", "h11"}, imported
+    assert "retriever" in {node.module for node in ast.walk(ast.parse(open(os.path.join(ROOT, "server.py")).read()))
+                           if isinstance(node, ast.ImportFrom)}
+
+
+# --- HTTP server and client ---
+
+def post_raw(url, body, headers=None, path="/retrieve"):
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", path)
+    for key, value in ({"Content-Length": str(len(body))} if headers is None else headers).items():
+        conn.putheader(key, value)
+    conn.endheaders()
+    if body:
+        conn.send(body)
+    response = conn.getresponse()
+    status, payload = response.status, json.loads(response.read())
+    conn.close()
+    return status, payload
+
+
+def post_status(url, body, headers):
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/retrieve")
+    for key, value in headers.items():
+        conn.putheader(key, value)
+    conn.endheaders()
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def test_server_health(url):
+    assert requests.get(url.replace("/retrieve", "/health"), timeout=30).json() == {"status": "ok", "n_rows": 50}
+
+
+def test_server_answers_concurrent_clients_like_in_process(world, fresh, url):
+    pool = [row["name"] for row in world.rows[:16]] + [f"a {kind}" for kind in KINDS]
+    expected = {(q, k): docs for k in (1, 3, 5) for q, docs in zip(pool, fresh.search(pool, k))}
+    rng = random.Random(3)
+    requests_ = [(rng.sample(pool, rng.randint(1, 4)), rng.choice((1, 3, 5))) for _ in range(200)]
+
+    def ask(request):
+        queries, topk = request
+        answer = requests.post(url, json={"queries": queries, "topk": topk, "return_scores": True}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        got = [[{**item["document"], "score": item["score"]} for item in docs] for docs in answer.json()["result"]]
+        return got == [expected[(q, topk)] for q in queries]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as executor:
+        assert all(executor.map(ask, requests_))
+
+
+def test_server_without_scores(fresh, url):
+    queries = [NAME0, "a river"]
+    for body in ({"queries": queries, "topk": 2, "return_scores": False}, {"queries": queries, "topk": 2}):
+        result = requests.post(url, json=body, timeout=30).json()["result"]
+        expected = fresh.search(queries, 2)
+        assert result == [[{"document": {"id": d["id"], "contents": d["contents"]}} for d in docs] for docs in expected]
+
+
+MALFORMED = [(b"{not json", "not valid JSON"), (b"\xff\xfe\xfa", "not valid JSON"), (b"[1, 2]", "JSON object"),
+             (b'"queries"', "JSON object"), ({}, "'queries'"),
+             ({"queries": "who"}, "'queries'"), ({"queries": [1]}, r"'queries'\[0\]"),
+             ({"queries": ["a", None]}, r"'queries'\[1\]"),
+             ({"queries": ["a"], "topk": "3"}, "'topk'"), ({"queries": ["a"], "topk": 2.5}, "'topk'"),
+             ({"queries": ["a"], "topk": True}, "'topk'"), ({"queries": ["a"], "topk": 0}, "'topk'"),
+             ({"queries": ["a"], "topk": 101}, "'topk'"), ({"queries": ["a"], "topk": -1}, "'topk'"),
+             ({"queries": ["a"], "return_scores": "yes"}, "'return_scores'"),
+             ({"queries": ["a"], "return_scores": 1}, "'return_scores'")]
+
+
+@pytest.mark.parametrize("body,match", MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
+def test_server_rejects_malformed_request(url, body, match):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, payload = post_raw(url, raw)
+    assert status == 400 and set(payload) == {"error"}
+    assert re.search(match, payload["error"]), payload
+    assert requests.post(url, json={"queries": ["a river"]}, timeout=30).status_code == 200  # still serving
+
+
+def test_server_rejects_bad_length_and_paths(url):
+    for headers in ({"Content-Length": str(10 ** 9)}, {}):
+        status, payload = post_raw(url, b"", headers)
+        assert status == 400 and "Content-Length" in payload["error"]
+    assert post_status(url, b"", {"Content-Length": "-5"}) == 400  # refused by h11 (uvicorn), in its own words
+    status, payload = post_raw(url, b'{"queries": ["a"]}', path="/search")
+    assert status == 404 and "/search" in payload["error"]
+    answer = requests.get(url.replace("/retrieve", "/nope"), timeout=30)
+    assert answer.status_code == 404 and "error" in answer.json()
+    assert requests.get(url.replace("/retrieve", "/health"), timeout=30).status_code == 200
+
+
+def test_remote_retriever_matches_dense(fresh, url):
+    queries = [NAME0, "a city known since 1507", NAME0, "who is a painter"]
+    for base in (url, url.replace("/retrieve", "/")):
+        assert R.RemoteRetriever(base).search(queries, topk=4) == fresh.search(queries, topk=4)
+
+
+def test_remote_retriever_errors(url):
+    with pytest.raises(RuntimeError, match=r"HTTP 400.*'topk'"):
+        R.RemoteRetriever(url).search(["a river"], topk=101)
+    with pytest.raises(ValueError, match="queries"):
+        R.RemoteRetriever(url).search("a river")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match="failed after 2 attempts"):
+        R.RemoteRetriever(f"http://127.0.0.1:{port}", timeout=5, retries=1, backoff=0.01).search(["a river"])
+
+
+# --- Search-R1's client, its launch line, load (each of these failed on the http.server version) ---
+
+def as_docs(result):
+    return [[{**item["document"], "score": item["score"]} for item in docs] for docs in result]
+
+
+def test_server_answers_search_r1_empty_batch_and_empty_query(fresh, url):
+    """Search-R1's trainer sends {"queries": []} when no row searched, and "" for <search> </search>."""
+    assert requests.post(url, json={"queries": []}, timeout=30).json() == {"result": []}
+    queries = ["", " ", NAME0]
+    answer = requests.post(url, json={"queries": queries, "topk": 3, "return_scores": True}, timeout=30)
+    assert answer.status_code == 200 and as_docs(answer.json()["result"]) == fresh.search(queries, 3)
+    assert [len(docs) for docs in answer.json()["result"]] == [3, 3, 3]
+    assert R.RemoteRetriever(url).search([]) == [] and R.RemoteRetriever(url).search([""]) == fresh.search([""])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_search_r1_launch_line(world, fresh, tmp_path):
+    """retrieval_launch.sh with our script name, on an index *file* (+ --port/--device, as this test needs)."""
+    index_file = str(tmp_path / "e5_Flat.index")
+    shutil.copy(os.path.join(world.index_dir, "index.faiss"), index_file)
+    port = free_port()
+    line = ["--index_path", index_file, "--corpus_path", world.corpus, "--topk", "2", "--retriever_name", "minilm",
+            "--retriever_model", "minilm", "--faiss_gpu"]
+    args = S.parse_args(line + ["--host", "0.0.0.0"])
+    assert (args.command, args.host, args.topk, args.faiss_gpu) == ("serve", "0.0.0.0", 2, True)
+    assert args.index == index_file and args.corpus == world.corpus
+    child = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), *line, "--port", str(port),
+                              "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for _ in range(600):
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                assert child.poll() is None, "the server exited"
+                time.sleep(0.2)
+        answer = requests.post(f"http://127.0.0.1:{port}/retrieve", json={"queries": [NAME0, "a king"],
+                                                                          "return_scores": True}, timeout=60)
+        assert as_docs(answer.json()["result"]) == fresh.search([NAME0, "a king"], 2)  # --topk is the default
+    finally:
+        child.terminate()
+        child.wait(timeout=60)
+    assert os.path.exists(index_file + ".twice/meta.json")
+    assert R.search_r1_prefixes("e5") == ("query: ", "passage: ") and R.search_r1_prefixes("bge")[1] == ""
+    with pytest.raises(SystemExit):
+        S.parse_args(["--index_path", index_file, "--retriever_name", "bm25"])
+
+
+def test_serve_freezes_the_loaded_heap(monkeypatch):
+    """A full garbage collection walks every object loaded (~4e5 with torch and the model, ~160 ms holding the GIL,
+    every request in flight waiting): the server's process exempts them before it serves."""
+    seen = {}
+
+    class Server:
+        server_port = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False  # exceptions propagate
+
+        def serve_forever(self):
+            seen["frozen"] = gc.get_freeze_count()
+
+    monkeypatch.setattr(S, "DenseRetriever", lambda *args: SimpleNamespace(n_rows=1))
+    monkeypatch.setattr(S, "make_server", lambda *args, **options: Server())
+    assert gc.get_freeze_count() == 0
+    try:
+        S.serve("an index")
+    finally:
+        gc.unfreeze()
+    assert seen["frozen"] > 10_000  # torch, transformers, pytest: the whole heap, not a handful
+
+
+def test_bench_server_measures_a_child_server(world):
+    """`server.py bench`, scaled down: it starts a server, loads it, and checks every answer against
+    in-process search; the server's CPU time is read from its process."""
+    figures = S.bench_server(world.index_dir, clients=3, per_client=2, size=2, big=40)
+    load = figures["load"]
+    assert (load["requests"], load["errors"], figures["interleave"]["errors"], figures["differ"]) == (6, 0, 0, 0)
+    assert 0 < load["p50_ms"] <= load["p99_ms"] <= load["max_ms"] and load["server_cpu_ms_per_query"] > 0
+
+
+def test_batcher_splits_big_requests_round_robin():
+    """A request of 100 queries goes in slices of 8 (16 a round); a 3-query one sent meanwhile rides in round 2.
+    With token costs, a round stops before the query that would pass its budget; a longer query goes alone."""
+    gate, calls = threading.Event(), []
+
+    class Recorder:
+        def search_batch(self, items):
+            calls.append([query for query, _ in items])
+            gate.wait(10)
+            return [[{"id": query}] for query, _ in items]
+
+    batcher = S.Batcher(Recorder(), round_cost=16)
+    big = batcher.submit([f"b{i}" for i in range(100)], 3)
+    while not calls:
+        time.sleep(0.01)
+    small = batcher.submit(["s0", "s1", "s2"], 3)
+    gate.set()
+    assert small.result(10) == [[{"id": "s0"}], [{"id": "s1"}], [{"id": "s2"}]]
+    assert [len(c) for c in calls] == [16] * 6 + [7] and calls[1][8:11] == ["s0", "s1", "s2"]  # b24..b28 next
+    assert [docs[0]["id"] for docs in big.result(10)] == [f"b{i}" for i in range(100)]
+    batcher.close()
+
+    calls.clear()
+    batcher = S.Batcher(Recorder(), round_cost=100, cost=lambda queries: [int(q[1:]) for q in queries])
+    job = batcher.submit(["t30", "t30", "t30", "t20", "t150", "t5", "t90"], 3)
+    assert [docs[0]["id"] for docs in job.result(10)] == ["t30", "t30", "t30", "t20", "t150", "t5", "t90"]
+    assert calls == [["t30", "t30", "t30"], ["t20"], ["t150"], ["t5", "t90"]]  # 30 x 3 + 20 > 100: t20 waits
+    assert batcher.submit([], 3).result(1) == []
+    batcher.close()
+
+
+def test_batcher_workers_share_rounds_and_finish_out_of_order():
+    """Two workers take rounds of 16 out of 40 waiting queries; the second round finishes first, the answer is still
+    in order; the last 8 wait for a free worker. Less than a round's budget waiting never starts a round beside a
+    busy worker."""
+    first_done, calls = threading.Event(), []
+
+    class Recorder:
+        def search_batch(self, items):
+            calls.append([query for query, _ in items])
+            if items[0][0] == "q0":
+                assert first_done.wait(10)  # the first round waits for the second one to finish
+            elif items[0][0] == "q16":
+                first_done.set()
+            return [[{"id": query}] for query, _ in items]
+
+    batcher = S.Batcher(Recorder(), round_cost=16, workers=2)
+    job = batcher.submit([f"q{i}" for i in range(40)], 3)
+    assert [docs[0]["id"] for docs in job.result(10)] == [f"q{i}" for i in range(40)]
+    assert [len(c) for c in calls] == [16, 16, 8] and calls[2][0] == "q32"
+    batcher.close()
+
+    gate, sizes = threading.Event(), []
+
+    class Slow:
+        def search_batch(self, items):
+            sizes.append(len(items))
+            gate.wait(10)
+            return [[{"id": query}] for query, _ in items]
+
+    batcher = S.Batcher(Slow(), round_cost=16, workers=2)
+    first = batcher.submit(["a"], 3)
+    while not sizes:
+        time.sleep(0.01)
+    second = batcher.submit([f"b{i}" for i in range(15)], 3)
+    time.sleep(0.3)
+    assert sizes == [1]  # the idle worker waits: too few queries to fill its packs
+    gate.set()
+    assert len(first.result(10)) == 1 and len(second.result(10)) == 15
+    batcher.close()
+
+
+def test_big_request_does_not_stall_small_ones(world):
+    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    server, url = S.start_server(retriever)
+    big = S.bench_queries(240, "big")  # ~1.2 s of encoding on one free core
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            job = pool.submit(S._timed_post, url, big)
+            time.sleep(0.3)
+            small_s, small = S._timed_post(url, [NAME0])
+            small_done_first = not job.done()
+            big_s, big_result = job.result()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert small_done_first and small_s < big_s / 2, (small_s, big_s)
+    assert S.bench_exactness(retriever, [(big, big_result), ([NAME0], small)]) == 0
+    retriever.close()
+
+
+def test_concurrent_load_and_connection_burst(world, fresh, url):
+    """16 clients x 4 requests of 4 queries, then 64 connections opened at once: all answered, none waits 1 s."""
+    stats, sent = S.bench_load(url, clients=16, per_client=4, size=4)
+    assert stats["errors"] == 0 and S.bench_exactness(fresh, sent) == 0
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    barrier, body = threading.Barrier(64), json.dumps({"queries": [NAME0]}).encode()
+
+    def connect_and_ask(_):
+        barrier.wait()
+        start = time.perf_counter()
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.connect()  # a SYN dropped by a full listen queue is resent after 1 s
+        connect_s = time.perf_counter() - start
+        conn.request("POST", "/retrieve", body, {"Content-Type": "application/json"})
+        status = conn.getresponse().status
+        conn.close()
+        return connect_s, status
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(connect_and_ask, range(64)))
+    assert all(status == 200 for _, status in answers)
+    assert max(seconds for seconds, _ in answers) < 0.9, sorted(seconds for seconds, _ in answers)[-5:]
+
+
+def test_queries_per_request_are_capped(dense):
+    server, url = S.start_server(dense, max_queries=5)
+    try:
+        status, payload = post_raw(url, json.dumps({"queries": ["a king"] * 6}).encode())
+        assert status == 400 and re.search(r"'queries' holds 6 queries, at most 5 per request", payload["error"])
+        assert requests.post(url, json={"queries": ["a king"] * 5}, timeout=30).status_code == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_slow_clients_are_cut_off(dense):
+    server, url = S.start_server(dense, head_timeout=1.0, body_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as sock:
+            sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\n")  # and the rest of the head never comes
+            start = time.perf_counter()
+            assert sock.recv(1000) == b"" and time.perf_counter() - start < 5  # closed by the server
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as sock:
+            sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b'{"queries": ')
+            assert sock.recv(1000).startswith(b"HTTP/1.1 408 ")
+        assert requests.post(url, json={"queries": ["a river"]}, timeout=30).status_code == 200  # still serving
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,
+                                  b'{"queries": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_deeply_nested_json_gets_400(url, body):
+    status, payload = post_raw(url, body)
+    assert status == 400 and "nested too deeply" in payload["error"]
+
+
+def test_lone_surrogate_is_refused_not_retried(url):
+    status, payload = post_raw(url, b'{"queries": ["fine", "\\ud800"]}')
+    assert status == 400 and re.search(r"'queries'\[1\] is not valid Unicode", payload["error"])
+    dead = f"http://127.0.0.1:{free_port()}"  # a client that tried to send would fail with RuntimeError
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        R.RemoteRetriever(dead, retries=3, backoff=0.01).search(["\ud800"])
+
+
