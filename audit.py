@@ -21,7 +21,7 @@ Protocol (all rollouts through rollout.py's batched functions, many decisions x 
                     "as trainer": run_twins(coupling=False)'s rule, self-twin and shortcut scored D = 0
        GRPO         (U_r - mean) / (std + eps) over U_r and G-1 fresh lines of the prompt, for every turn alike
        VinePPO(K)   A_t = V_K(s_{t+1}) - V_K(s_t), V_K = mean of K rollouts from the boundary, V(s_T) = U
-       methods      GiGPO, HGPO, IGPO, SPA-RL, AgentPRM (--method_rows): the method's own turn_advantages (methods.py,
+       methods      GiGPO, HGPO, IGPO, SPA-RL, AgentPRM (--method_rows): the method's own turn_advantages (baselines.py,
                     knobs of the trainer preset --train_config) on groups [F_r, the same G-1 fresh lines], a call per
                     (turn t, repeat r) holding each prompt once; the estimate is F_r's advantage at turn t (what a
                     method samples from F_r is keyed by fresh_key(key, METHOD_TAG, t, r)). SPA-RL's and AgentPRM's
@@ -99,7 +99,7 @@ class Config:
     repeats: int = 8                # R, independent repeats of every estimator
     vine_k: str = "1,2,4,8"         # VinePPO rollouts per turn boundary, comma-separated
     threshold: float = 0.2          # wrong-sign rate counts decisions with |A*| above this
-    method_rows: str = "gigpo,hgpo,igpo,spa_rl,agentprm"  # methods.py rows too, comma-separated ('' none)
+    method_rows: str = "gigpo,hgpo,igpo,spa_rl,agentprm"  # methods' own rows too, comma-separated ('' none)
     train_config: str = ""          # trainer preset of the method rows' knobs ('' -> the world's, world_preset)
     learned_steps: int = 30         # spa_rl, agentprm: trainer steps training the estimator first (A7; demo: 30)
     group_size: int = TRAIN.group_size  # G, GRPO group: the factual line + G-1 fresh lines
@@ -279,7 +279,7 @@ def rollouts(model, tok, retr, rows, cfg) -> dict:
     return raw
 
 
-# --- method estimators: methods.py's own turn_advantages on groups [F_r, G-1 fresh lines of the prompt] ---
+# --- method estimators: the method's own turn_advantages on groups [F_r, G-1 fresh lines of the prompt] ---
 METHOD_ROWS = {"gigpo": "GiGPO", "hgpo": "HGPO", "igpo": "IGPO", "spa_rl": "SPA-RL", "agentprm": "AgentPRM"}
 METHOD_TAG = 0x6D657468  # "meth": F_r's own key for what a method samples from it
 
@@ -301,7 +301,8 @@ def world_preset(world: str) -> str:
 
 
 class OneProcess:
-    """What methods.py reads of accelerate.Accelerator, for one process: device, num_processes, unwrap_model."""
+    """What a method (baselines.py, learned.py) reads of accelerate.Accelerator, for one process: device,
+    num_processes, unwrap_model."""
     num_processes = 1
 
     def __init__(self, device):
@@ -422,16 +423,16 @@ def grpo_estimates(u, lines, decisions, eps) -> np.ndarray:
 
 
 def vine_estimates(x, episodes, decisions, k):
-    """(N, R) VinePPO advantages from the first k rollouts per boundary (credit.vineppo_advantages per episode),
+    """(N, R) VinePPO advantages from the first k rollouts per boundary (baselines.vineppo_advantages per episode),
     and (N, R) their tokens: the k rollouts of the decision's own boundary s_t."""
     # DEVIATION A1: the K of --vine_k are nested subsets of the same kmax rollouts.
-    v = credit.mc_value(x[:, :, :k, 0])  # (N, R) V_K(s_t)
+    v = baselines.mc_value(x[:, :, :k, 0])  # (N, R) V_K(s_t)
     est = np.empty_like(v)
     for i, ep in enumerate(episodes):
         rows = [n for n, (j, _) in enumerate(decisions) if j == i]
         assert [decisions[n][1] for n in rows] == list(range(len(ep.turns))), "decisions must be whole episodes"
         for r in range(v.shape[1]):
-            est[rows, r] = credit.vineppo_advantages(v[rows, r], ep.reward)
+            est[rows, r] = baselines.vineppo_advantages(v[rows, r], ep.reward)
     return est, x[:, :, :k, 1].sum(2)
 
 
@@ -682,11 +683,11 @@ def report(res: dict) -> str:
 
 
 def method_notes(res) -> list:
-    """The report's lines on the methods.py rows: their preset and the learned estimators' pre-training."""
+    """The report's lines on the method rows: their preset and the learned estimators' pre-training."""
     if not res["method_config"]:
         return []
     mc, cfg = res["method_config"], res["config"]
-    lines = [(f"- Method rows: methods.py's turn_advantages on the groups [F_r, G-1 fresh lines] of each decision's "
+    lines = [(f"- Method rows: their own turn_advantages on the groups [F_r, G-1 fresh lines] of each decision's "
               f"turn and repeat, knobs of {cfg['train_config'] or 'train_twice.Config'} (omega {mc['omega']}, "
               f"step_gamma {mc['step_gamma']}, gamma {mc['gamma']}, estimator lr "
               f"{mc['lr'] * mc['estimator_lr_scale']:g}); GiGPO and HGPO include the episode term A^E; aux tokens: "

@@ -45,7 +45,7 @@ def save(cfg, run, step: int) -> str:
                  "sigma_hat": run.sigma_hat.state_dict(), **_provenance()}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(state, f)
-        if hasattr(run.method, "save"):  # learned estimators: weights and optimizer state (methods.py)
+        if hasattr(run.method, "save"):  # learned estimators: weights and optimizer state (learned.py)
             run.method.save(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)

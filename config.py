@@ -18,7 +18,7 @@ _COMMENT = re.compile(r"^\s+(\w+)\s*:[^=]+=.*?#\s?(.*)$")
 
 def field_docs(cls) -> dict:
     """{field: the comment after its definition in the class source}, base classes included (a script's Config
-    may inherit the knobs of another module's dataclass, e.g. the baselines' of methods.py)."""
+    may inherit the fields of another dataclass)."""
     docs = {}
     for klass in reversed(cls.__mro__):
         try:
@@ -61,7 +61,7 @@ def coerce(where: str, value: str, kind):
 
 
 def ordered_fields(cls) -> list:
-    """The dataclass's fields, its own first, then inherited ones (e.g. the baselines' knobs)."""
+    """The dataclass's fields, its own first, then inherited ones."""
     own = cls.__dict__.get("__annotations__", {})
     return sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)
 

@@ -1,6 +1,6 @@
-"""Credit assignment for agentic RL: TWICE twin credit and the baselines it is compared with. Pure array math.
+"""TWICE's credit (DESIGN.md section 5): twin outcome differences to token advantages. Pure array math.
 
-TWICE ("Same Luck, Different Choice", arXiv 2610.31544; DESIGN.md section 5). Decision t of episode i, outcome U_i:
+TWICE ("Same Luck, Different Choice", arXiv 2610.31544). Decision t of episode i, outcome U_i:
   A_traj_i  = (U_i - mean_group U) / (std_group U + eps)           GRPO; std unbiased (ddof=1) like verl's torch.std
   D_t       = U - U'                                             twin outcome difference; E[D_t | s_t, y_t] = Q - V
   q_t       = clip(lam * sqrt(p_t / c_t), q_min, 1)              budget rule, lam such that sum_t q_t c_t = budget
@@ -9,8 +9,9 @@ TWICE ("Same Luck, Different Choice", arXiv 2610.31544; DESIGN.md section 5). De
 p_t = P(U != U') comes from `DiscordancePredictor` (online logistic regression on 1[D != 0]), c_t is the predicted
 twin cost in tokens, sigma_hat is `RunningScale` (EMA of the RMS of the nonzero A_hat).
 
-Baselines (DESIGN.md section 7), one short function each, the paper's equation in its docstring: VinePPO, GiGPO,
-HGPO, IGPO, ARPO, SPA-RL, AgentPRM (targets and losses only: learned estimators live with the trainer), CRAFT.
+This file knows no episodes, models or ranks: the twins come from rollout.run_twins, the loop that joins them is
+train_twice.twin_credit. The baselines' formulas live with their trainers (baselines.py, learned.py), which reuse
+grpo_advantages, group_index and as_array from here.
 
 Inputs are numpy arrays, lists or torch tensors (copied to float64 numpy); outputs are numpy. Group and state keys
 are any hashables (ints, strings, tuples); grouping uses equality only, never Python's hash() order.
@@ -19,9 +20,7 @@ Deviations (README "Deviations"; tagged `# DEVIATION C<n>:` below):
 C1. Groups of size 1 get advantage 0 (verl uses mean 0, std 1 there, i.e. the raw score).
 C2. solve_budget: decisions with p_t = 0 stay at q_min until every p_t > 0 decision is at q = 1; only then does the
    rest of the budget go to them, evenly. DESIGN.md does not say; this keeps sum q c = budget on the whole range.
-C3. HGPO: a level whose group is a singleton contributes 0 and is left out of the weight normalisation.
-C4. ARPO: Normalize(H_t - H_init) divides by log|V|, as the official code does; the paper leaves it open.
-C5. CRAFT pillar 1 is our reading of a two-paragraph description: see `craft_token_importance`.
+(C3-C5 are the baselines' formulas: baselines.py.)
 
 No entry point: train_twice.py and audit.py import these functions. Tests: `python -m pytest -q tests/test_credit.py`.
 """
@@ -33,14 +32,14 @@ import numpy as np
 FEATURES = ("turn", "is_search", "is_answer", "entropy", "group_success", "outcome", "turns_remaining", "surprise")
 
 
-def _np(x, dtype=np.float64):
+def as_array(x, dtype=np.float64) -> np.ndarray:
     """float64 numpy copy of a list, array or torch tensor (detached, moved to CPU)."""
     if hasattr(x, "detach"):
         x = x.detach().cpu().numpy()
     return np.array(x, dtype=dtype)
 
 
-def _group_index(keys):
+def group_index(keys):
     """Dense group ids 0..G-1 in order of first appearance; equal keys share an id."""
     if hasattr(keys, "tolist"):  # numpy / torch: elementwise Python scalars (tensor elements hash by identity)
         keys = keys.tolist()
@@ -63,8 +62,8 @@ def grpo_advantages(rewards, group_ids, eps=1e-6, normalize_std=True) -> np.ndar
     std_g is the unbiased (ddof=1) sample std, as verl / Search-R1 (`torch.std`). normalize_std=False gives
     x - mean_g. A constant group (all rewards equal) gets exactly 0; a group of size 1 gets 0.
     """
-    x = _np(rewards).reshape(-1)
-    g = _group_index(group_ids)
+    x = as_array(rewards).reshape(-1)
+    g = group_index(group_ids)
     if len(g) != len(x):
         raise ValueError(f"{len(x)} rewards but {len(g)} group ids")
     if x.size == 0:
@@ -96,7 +95,7 @@ def solve_budget(p, c, budget, q_min=0.05, rule="sqrt") -> Budget:
     lam is found by geometric bisection on the continuous, non-decreasing spend f(lam) = sum_t c_t q_t(lam), to float
     precision (relative error of the spend ~1e-15).
     """
-    p, c = _np(p).reshape(-1), _np(c).reshape(-1)
+    p, c = as_array(p).reshape(-1), as_array(c).reshape(-1)
     if p.shape != c.shape:
         raise ValueError(f"p has {p.size} entries, c has {c.size}")
     if not np.all(c > 0) or not np.all(np.isfinite(c)):
@@ -128,7 +127,7 @@ def solve_budget(p, c, budget, q_min=0.05, rule="sqrt") -> Budget:
 
 def branch_mask(q, u) -> np.ndarray:
     """Decision t gets a twin iff u_t < q_t; u_t are keyed uniforms in [0, 1) drawn by the caller (reproducible)."""
-    q, u = _np(q), _np(u)
+    q, u = as_array(q), as_array(u)
     if q.shape != u.shape:
         raise ValueError(f"q {q.shape} and u {u.shape} differ in shape")
     return u < q
@@ -142,16 +141,16 @@ def ht_credit(diffs, branched, q) -> np.ndarray:
     lists of K_t twin differences (empty for unbranched decisions). A branched decision needs at least one twin.
     """
     branched = np.asarray(branched, dtype=bool).reshape(-1)
-    q = _np(q).reshape(-1)
+    q = as_array(q).reshape(-1)
     if len(q) != len(branched) or len(diffs) != len(q):
         raise ValueError(f"lengths differ: diffs {len(diffs)}, branched {len(branched)}, q {len(q)}")
     if not np.all((q[branched] > 0) & (q[branched] <= 1)):
         raise ValueError("q_t must lie in (0, 1] for branched decisions")
     a = np.zeros(len(q))
     if isinstance(diffs, np.ndarray) or hasattr(diffs, "detach"):  # fast path, (n, K)
-        mean = _np(diffs).reshape(len(q), -1)[branched].mean(axis=1)
+        mean = as_array(diffs).reshape(len(q), -1)[branched].mean(axis=1)
     else:
-        rows = [_np(diffs[n]).reshape(-1) for n in np.flatnonzero(branched)]
+        rows = [as_array(diffs[n]).reshape(-1) for n in np.flatnonzero(branched)]
         if any(r.size == 0 for r in rows):
             raise ValueError("a branched decision has no twin difference")
         mean = np.array([r.mean() for r in rows])
@@ -165,13 +164,13 @@ def turn_advantages(a_traj, a_hat, omega, sigma) -> list:
     """Per-turn advantage A_{i,t} = A_traj_i + omega * A_hat_{i,t} / sigma (DESIGN 5, token advantage)."""
     if not sigma > 0:
         raise ValueError(f"sigma must be > 0, got {sigma}")
-    return [a + omega * _np(h).reshape(-1) / sigma for a, h in zip(_np(a_traj).reshape(-1), a_hat)]
+    return [a + omega * as_array(h).reshape(-1) / sigma for a, h in zip(as_array(a_traj).reshape(-1), a_hat)]
 
 
 def token_advantages(a_traj, a_hat, turn_spans, seq_len, omega, sigma) -> np.ndarray:
     """(N, seq_len) token advantages: turn_advantages on the sampled tokens of each turn, 0 on every other token.
     a_hat[i] = A_hat per turn (0 for an unbranched turn, which then carries exactly A_traj_i)."""
-    a_traj = _np(a_traj).reshape(-1)
+    a_traj = as_array(a_traj).reshape(-1)
     if not len(a_traj) == len(a_hat) == len(turn_spans):
         raise ValueError(f"episodes: a_traj {len(a_traj)}, a_hat {len(a_hat)}, spans {len(turn_spans)}")
     return spread_over_tokens(turn_advantages(a_traj, a_hat, omega, sigma), turn_spans, seq_len)
@@ -210,8 +209,8 @@ def featurize(turn, action, entropy, group_success, outcome, turns_remaining) ->
                      and it carries the main signal (a success in a failing group is where a twin most often differs)
     """
     action = np.asarray(action, dtype=object)  # strings or None; a single string is one decision
-    cols = [_np(turn), action == "search", action == "answer", _np(entropy), _np(group_success), _np(outcome),
-            _np(turns_remaining), np.abs(_np(outcome) - _np(group_success))]
+    cols = [as_array(turn), action == "search", action == "answer", as_array(entropy), as_array(group_success),
+            as_array(outcome), as_array(turns_remaining), np.abs(as_array(outcome) - as_array(group_success))]
     cols = np.broadcast_arrays(*[np.atleast_1d(np.asarray(col, dtype=np.float64)) for col in cols])
     return np.stack(cols, axis=-1).reshape(-1, len(FEATURES))
 
@@ -247,7 +246,7 @@ class DiscordancePredictor:
         return self.n_correct / self.n_scored if self.n_scored else math.nan
 
     def _check(self, X):
-        X = _np(X)
+        X = as_array(X)
         if X.ndim != 2 or X.shape[1] != len(FEATURES) or not np.all(np.isfinite(X)):
             raise ValueError(f"X must be finite with shape (n, {len(FEATURES)}) = featurize(...); got {X.shape}")
         return X
@@ -262,7 +261,7 @@ class DiscordancePredictor:
 
     def update(self, X, y) -> float:
         """Score the batch (p >= 0.5 predicts discordant), append it to the buffer, refit; returns the accuracy."""
-        X, y = self._check(X), _np(y).reshape(-1)
+        X, y = self._check(X), as_array(y).reshape(-1)
         if len(y) != len(X) or not np.all((y == 0) | (y == 1)):
             raise ValueError(f"need one 0/1 label per row: {len(X)} rows, labels {np.unique(y)[:5]}")
         if len(y) == 0:
@@ -339,7 +338,7 @@ class RunningScale:
         return 1.0 if self._value is None else self._value
 
     def update(self, a_hat) -> float:
-        a = _np(a_hat).reshape(-1)
+        a = as_array(a_hat).reshape(-1)
         a = a[a != 0]
         if a.size:
             rms = float(np.sqrt(np.mean(a * a)))
@@ -351,227 +350,3 @@ class RunningScale:
 
     def load_state_dict(self, s: dict):
         self.decay, self._value = float(s["decay"]), None if s["value"] is None else float(s["value"])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Baselines (DESIGN 7). Step lists are flat over all steps of the batch unless a docstring says per episode.
-
-def discounted_returns(rewards, gamma=1.0) -> np.ndarray:
-    """Return-to-go R_t = sum_{k >= t} gamma^(k-t) r_k of one episode."""
-    r, acc = _np(rewards).reshape(-1), 0.0
-    out = np.empty_like(r)
-    for t in range(len(r) - 1, -1, -1):
-        acc = r[t] + gamma * acc
-        out[t] = acc
-    return out
-
-
-def mc_value(outcomes) -> np.ndarray:
-    """Monte Carlo value: mean of K rollout outcomes along the last axis."""
-    return _np(outcomes).mean(axis=-1)
-
-
-def vineppo_advantages(values, outcome) -> np.ndarray:
-    """VinePPO (Kazemnejad et al. 2024), one episode: A_t = V(s_{t+1}) - V(s_t), t = 1..T, with V(s_t) the MC
-    estimate at the boundary before turn t (mc_value of K rollouts from there) and V(s_{T+1}) = the outcome
-    (reward only at the end, gamma = 1). The advantages telescope to outcome - V(s_1)."""
-    return np.diff(np.append(_np(values).reshape(-1), float(outcome)))
-
-
-def gigpo_step_advantages(anchor_keys, returns, normalize="std", eps=1e-6) -> np.ndarray:
-    """GiGPO step advantage (Feng et al. 2025, micro advantage A^S): steps grouped by identical anchor state key,
-    A^S = (R_t - mean_group) / F_norm, F_norm = std (normalize="std") or 1 ("none"); R_t the discounted
-    return-to-go. Singleton groups -> 0. Keys should include the prompt so only one prompt's rollouts meet."""
-    if normalize not in ("std", "none"):
-        raise ValueError(f"normalize must be 'std' or 'none', got {normalize!r}")
-    return grpo_advantages(returns, anchor_keys, eps, normalize_std=normalize == "std")
-
-
-def gigpo_combine(a_episode, a_step, omega) -> np.ndarray:
-    """GiGPO: A = A^E(tau_i) + omega * A^S(a_t) (episode advantage broadcast to each of its steps)."""
-    return _np(a_episode) + omega * _np(a_step)
-
-
-def hgpo_context_keys(states, max_k) -> list:
-    """HGPO context operator for one episode: level k key of step t = (s_{t-k}, ..., s_t), shorter near the start.
-    Returns max_k + 1 lists (levels 0..K) of per-step tuples; prefix the states with the prompt uid."""
-    states = list(states)
-    return [[tuple(states[max(0, t - k): t + 1]) for t in range(len(states))] for k in range(max_k + 1)]
-
-
-def hgpo_advantages(context_keys_per_level, returns, alpha=1.0, eps=1e-6) -> np.ndarray:
-    """HGPO (hierarchical history-context groups): A = sum_k w_k A_k, A_k the group-normalised return within the
-    level-k context group, w_k = (k+1)^alpha / sum_k' (k'+1)^alpha.
-
-    A level where the step's group is a singleton says nothing about the action: it contributes 0 and its weight
-    leaves the normalisation (# DEVIATION C3). A step with no shared level gets 0.
-    """
-    R = _np(returns).reshape(-1)
-    num, den = np.zeros_like(R), np.zeros_like(R)
-    for k, keys in enumerate(context_keys_per_level):
-        g = _group_index(keys)
-        w = (k + 1.0) ** alpha * (np.bincount(g)[g] > 1)  # (n,) weight, 0 on singletons
-        num += w * grpo_advantages(R, g, eps)
-        den += w
-    return np.divide(num, den, out=np.zeros_like(R), where=den > 0)
-
-
-def igpo_turn_rewards(answer_logprobs, outcome) -> np.ndarray:
-    """IGPO raw turn rewards of one episode with T turns: r_t = lp_t - lp_{t-1} for t = 1..T-1 (information gain
-    of turn t), r_T = outcome. answer_logprobs[t] = mean per-token log-prob of the gold answer, teacher-forced,
-    given the question and the interaction up to turn t, t = 0..T-1 (t = 0: the question alone)."""
-    return np.append(np.diff(_np(answer_logprobs).reshape(-1)), float(outcome))
-
-
-def igpo_advantages(answer_logprobs, outcomes, group_ids, gamma=1.0, eps=1e-6) -> list:
-    """IGPO (Wang et al. 2025): z-normalise the IG rewards over all turns of the group's episodes and the outcome
-    rewards over the group's episodes, separately; A_t = sum_{k >= t} gamma^(k-t) r~_k. Per-episode arrays (T_i,)."""
-    gid = _group_index(group_ids)
-    raw = [igpo_turn_rewards(lp, o) for lp, o in zip(answer_logprobs, _np(outcomes).reshape(-1))]
-    n_ig = np.array([len(r) - 1 for r in raw], dtype=np.int64)
-    ig = grpo_advantages(np.concatenate([r[:-1] for r in raw]), np.repeat(gid, n_ig), eps)
-    out = grpo_advantages([r[-1] for r in raw], gid, eps)
-    return [discounted_returns(np.append(g, o), gamma) for g, o in zip(np.split(ig, np.cumsum(n_ig)[:-1]), out)]
-
-
-def arpo_branch(entropy, entropy_init, alpha, beta, tau, vocab_size) -> np.ndarray:
-    """ARPO (Dong et al. 2025) entropy-triggered branching: P_t = alpha + beta * Normalize(H_t - H_initial),
-    branch iff P_t > tau. # DEVIATION C4: Normalize = / log|V| (ARPO's released code). The official code also
-    draws alpha ~ U(0, 1) per candidate: pass an array of keyed uniforms for that."""
-    dh = (_np(entropy) - _np(entropy_init)) / math.log(vocab_size)
-    return _np(alpha) + beta * dh > tau
-
-
-def arpo_advantages(rewards, paths, eps=1e-6) -> list:
-    """ARPO advantage attribution on one prompt's rollout tree. paths[i] = segment ids (hashables) of trajectory i,
-    root first; shared-prefix segments appear in several paths. A_i = group-normalised reward over the G
-    trajectories; a segment gets the mean A_i of the trajectories through it (its own A_i if it is individual).
-    Returns per-trajectory arrays of segment advantages, aligned with paths."""
-    return shared_prefix_advantages(grpo_advantages(rewards, np.zeros(len(paths), dtype=np.int64), eps), paths)
-
-
-def shared_prefix_advantages(leaf_advantages, paths) -> list:
-    """Tree credit (ARPO's advantage attribution; Tree-GRPO's implicit step preference): a segment shared by
-    several leaves gets the mean advantage of the leaves through it, an individual one its leaf's. paths[i] =
-    segment ids of leaf i (e.g. one per turn), root first. Returns per-leaf arrays aligned with paths."""
-    total, count = {}, {}
-    for a_i, path in zip(_np(leaf_advantages).reshape(-1), paths):
-        for seg in path:
-            total[seg], count[seg] = total.get(seg, 0.0) + a_i, count.get(seg, 0) + 1
-    return [np.array([total[seg] / count[seg] for seg in path]) for path in paths]
-
-
-def tree_grpo_advantages(rewards, tree_ids, prompt_ids, eps=1e-6) -> np.ndarray:
-    """Tree-GRPO (Ji et al. 2025, arXiv 2509.21240, tree-based group advantage) per leaf: A = A_intra + A_inter,
-    the reward group-normalised within the leaf's tree plus group-normalised over every leaf of the prompt's trees
-    (tree_ids: hashables unique over the batch, e.g. (prompt, tree))."""
-    return grpo_advantages(rewards, tree_ids, eps) + grpo_advantages(rewards, prompt_ids, eps)
-
-
-def step_returns(outcome, n_turns, gamma=1.0) -> np.ndarray:
-    """Return-to-go R_t = gamma^(T-1-t) U of an episode of T turns rewarded only at its end (GiGPO, HGPO)."""
-    return float(outcome) * gamma ** np.arange(n_turns - 1, -1, -1, dtype=np.float64)
-
-
-def spa_rl_rewards(contributions, grounding, alpha, beta) -> np.ndarray:
-    """SPA-RL (Wang et al. 2025) fused step reward r_t = alpha * c_t + beta * g_t: progress contribution c_t from
-    the learned estimator, grounding g_t = 1 if the action could be executed."""
-    return alpha * _np(contributions) + beta * _np(grounding)
-
-
-def spa_rl_loss(pred_contribs_per_episode, outcomes):
-    """SPA-RL progress-estimator loss: mean over episodes of (sum_t c_hat_t - R)^2. Duck-typed: torch tensors in,
-    differentiable torch scalar out; lists or numpy in, a float out."""
-    terms = [((c if hasattr(c, "sum") else np.asarray(c, dtype=np.float64)).sum() - r) ** 2
-             for c, r in zip(pred_contribs_per_episode, outcomes)]
-    return sum(terms) / len(terms)
-
-
-def agentprm_targets(sa_keys, returns) -> np.ndarray:
-    """AgentPRM (Choudhury 2025, "Process Reward Models for LLM Agents") MC target: Q_hat(s, a) = mean discounted
-    return-to-go over every visit of the same (state, action) key; returned per step."""
-    g, R = _group_index(sa_keys), _np(returns).reshape(-1)
-    return (np.bincount(g, R) / np.bincount(g))[g]
-
-
-def soft_bce(q_pred, q_target, eps=1e-7) -> float:
-    """AgentPRM loss: -mean(Q_hat log Q + (1 - Q_hat) log(1 - Q)), Q clipped to [eps, 1 - eps]."""
-    p, t = np.clip(_np(q_pred), eps, 1 - eps), _np(q_target)
-    return float(-np.mean(t * np.log(p) + (1 - t) * np.log1p(-p)))
-
-
-def craft_token_importance(gaps, advantages, beta=1.0) -> np.ndarray:
-    """CRAFT pillar 1, counterfactual token importance: signed credit C_{i,t} per rollout i and turn t.
-
-    Our reading of the seed (# DEVIATION C5): to estimate how the group advantage would change if the
-    policy at turn t were tilted toward the teacher (the same policy with privileged context), reweight the G-1
-    siblings j != i by the teacher/student likelihood ratio of their own turn-t decision,
-        w_j = exp(beta * g_{j,t}),  g_{j,t} = sum over the turn's tokens of (log pi_teacher - log pi_student),
-        C_{i,t} = sum_j w_j A_j / sum_j w_j - mean_j A_j   (self-normalised importance sampling, j over siblings
-    that have a turn t). C > 0: following the teacher at turn t raises the advantage; C < 0: it would hurt.
-    # DEVIATION C5: computed per turn and broadcast to the turn's tokens (e.g. with token_advantages), because
-    sibling tokens cannot be aligned position by position. gaps: (G, T), NaN where a rollout has no turn t;
-    advantages: (G,) GRPO advantages. Returns (G, T); 0 where rollout i has no turn t or no sibling has one.
-    """
-    g, A = _np(gaps), _np(advantages).reshape(-1)
-    if g.ndim != 2 or len(g) != len(A):
-        raise ValueError(f"gaps must be (G, T) with G = {len(A)}; got {g.shape}")
-    has = ~np.isnan(g)
-    out = np.zeros(g.shape)
-    for i, t in zip(*np.nonzero(has)):
-        m = has[:, t] & (np.arange(len(A)) != i)  # leave-one-out siblings with a turn t
-        if m.any():
-            logw = beta * g[m, t]
-            w = np.exp(logw - logw.max())
-            out[i, t] = w @ A[m] / w.sum() - A[m].mean()
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Learned-estimator and token-level methods (methods.py: ppo, igpo, spa_rl, agentprm, craft)
-
-def gae(rewards, values, mask, gamma=1.0, lam=1.0) -> tuple:
-    """GAE (Schulman et al. 2016, Eq. 16): A_k = sum_l (gamma lam)^l delta_{k+l}, delta_k = r_k + gamma V_{k+1} - V_k,
-    returns = A + V. Rows (B, L); positions with mask 0 (observation tokens) are skipped, not stepped through: the
-    next sampled token's value bootstraps the last one before an observation, and the value after the last sampled
-    token is 0. gamma = lam = 1 gives A_k = R - V_k (the sum telescopes). Returns (advantages, returns), 0 off-mask."""
-    r, v, m = _np(rewards), _np(values), _np(mask) > 0
-    adv, ret = np.zeros(r.shape), np.zeros(r.shape)
-    for b in range(len(r)):
-        idx = np.flatnonzero(m[b])
-        acc, next_v = 0.0, 0.0
-        for k in idx[::-1]:
-            acc = r[b, k] + gamma * next_v - v[b, k] + gamma * lam * acc
-            adv[b, k], ret[b, k], next_v = acc, acc + v[b, k], v[b, k]
-    return adv, ret
-
-
-def masked_whiten(x, mask, eps=1e-8) -> np.ndarray:
-    """(x - mean) / sqrt(var + eps) over the masked entries, 0 elsewhere (verl's masked_whiten of PPO advantages;
-    variance unbiased as there)."""
-    x, m = _np(x), _np(mask) > 0
-    vals = x[m]
-    if vals.size < 2:
-        return np.zeros(x.shape)
-    out = np.zeros(x.shape)
-    out[m] = (vals - vals.mean()) / math.sqrt(vals.var(ddof=1) + eps)
-    return out
-
-
-def group_turn_normalise(values_per_episode, group_ids, eps=1e-6) -> list:
-    """z-score of per-turn values over all turns of each group's episodes (IGPO's group-wise normalisation of turn
-    rewards, used for SPA-RL returns and AgentPRM Q values). Per-episode arrays in, per-episode arrays out."""
-    vals = [_np(v).reshape(-1) for v in values_per_episode]
-    n = np.array([len(v) for v in vals], dtype=np.int64)
-    if n.sum() == 0:
-        return [np.zeros(0) for _ in vals]
-    flat = grpo_advantages(np.concatenate(vals), np.repeat(_group_index(group_ids), n), eps)
-    return np.split(flat, np.cumsum(n)[:-1])
-
-
-def craft_token_weights(token_gaps) -> np.ndarray:
-    """How CRAFT's per-turn credit C_{i,t} is spread over the turn's tokens: w_k = |g_k| / mean_k' |g_k'| (tokens
-    where teacher and student agree carry no counterfactual signal); mean 1 over the turn, so the turn's total credit
-    is unchanged; all ones when every gap is 0. # DEVIATION L9: our reading of "signed per-token credit"."""
-    a = np.abs(_np(token_gaps).reshape(-1))
-    return a / a.mean() if a.size and a.mean() > 0 else np.ones(a.shape)

@@ -10,6 +10,8 @@ at most `chunk_elements / V` selected positions at a time, so the extra float32 
 (~64 MB each by default) instead of (B, L, V) logits, log-softmax, exp and product (~20 GB each at 8 x 4096 x
 151,936). With gradients each chunk is checkpointed: its (chunk, V) block is recomputed in the backward pass rather
 than kept. Only the positions asked for (the loss mask in the update) go through the head.
+
+`token_logprobs_rows` is the plain teacher-forced pass over short token rows that some baselines take (IGPO, CRAFT).
 """
 import numpy as np
 import torch
@@ -104,3 +106,32 @@ def batch_logprobs(model, batch, temperature, micro_batch_size, with_entropy=Fal
         if with_entropy:
             ent[rows, :w - 1] = e
     return lp, ent
+
+
+def micro_batches(n: int, size: int) -> list:
+    """Row indices 0..n-1 in consecutive chunks of `size` (tensors, for indexing batches)."""
+    return [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def pad_rows(rows: list, pad_id: int, device) -> tuple:
+    """Right-padded (B, L) input_ids and attention_mask of token lists."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        att[b, :len(row)] = 1
+    return ids.to(device), att.to(device)
+
+
+@torch.no_grad()
+def token_logprobs_rows(model, rows: list, pad_id: int, micro: int, temperature: float = 1.0) -> list:
+    """Per row (len n), the n - 1 log-probs log softmax(logits / T)[row[k + 1]] at positions k = 0..n-2, teacher-forced
+    through the full LM head (rows are short: IGPO's gold-answer log-probs, CRAFT's teacher log-probs)."""
+    ids, att = pad_rows(rows, pad_id, next(model.parameters()).device)
+    out = []
+    for r in micro_batches(len(rows), micro):
+        logits = model(input_ids=ids[r], attention_mask=att[r]).logits[:, :-1].float() / temperature
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[r][:, 1:, None]).squeeze(-1)  # (b, L-1)
+        out += [lp[j, :len(rows[int(b)]) - 1].cpu().numpy().astype(np.float64) for j, b in enumerate(r)]
+    return out

@@ -170,7 +170,7 @@ FMIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None))  # split
 U_BITS = 23  # u = (k + 1/2) / 2^23: exactly representable in float32, never 0 or 1, so g is finite (|g| < 17)
 TURN_TAG, ALT_TAG, UNCOUPLED_TAG, MC_Q_TAG, MC_V_TAG = 0x7475726E, 0x616C74, 0x756E63, 0x6D6371, 0x6D6376  # ASCII
 BRANCH_TAG = 0x6272616E  # "bran": the budget rule's branch draws, independent of every sampling key
-# the baselines' extra rollouts (methods.py), ASCII like the tags above: "ind", "vine", "arpo", "tree"
+# the baselines' extra rollouts (baselines.py, learned.py), ASCII like the tags above: "ind", "vine", "arpo", "tree"
 INDEPENDENT_TAG, VINE_TAG, ARPO_TAG, TREE_TAG = 0x696E64, 0x76696E65, 0x6172706F, 0x74726565
 
 
@@ -1232,6 +1232,11 @@ def collate(episodes, pad_id: int) -> dict:
     response_start = torch.tensor([len(ep.prompt_ids) for ep in episodes], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
             "response_start": response_start}
+
+
+def turn_spans(episodes) -> list:
+    """Per episode, (start, end) of each turn's sampled tokens in collate's rows (the response follows the prompt)."""
+    return [[(len(ep.prompt_ids) + t.start, len(ep.prompt_ids) + t.end) for t in ep.turns] for ep in episodes]
 
 
 # --- benchmark: keyed sampling against plain multinomial sampling, same model, batch and length ---

@@ -2,7 +2,7 @@
 
 Paper: "Same Luck, Different Choice: Twin-World Credit Assignment for Agentic Reinforcement
 Learning" (arXiv 2610.31544); reference design: DESIGN.md sections 5-6. One step, as the sections
-# 1. to # 7. of `train_step`:
+# 1. to # 7. of `train_step` (steps 2-6 in `twin_credit`):
 
   1. G factual episodes per prompt, every token a keyed Gumbel-max draw (rollout.py):
      key = mix(seed, step, prompt_uid, line), noise u = U(key, turn, pos, token).
@@ -18,7 +18,8 @@ Learning" (arXiv 2610.31544); reference design: DESIGN.md sections 5-6. One step
   6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega A_hat_t / sigma_hat
   7. PPO-clip on token ratios (clip 0.2), token mean over loss-masked tokens, k3 KL to the
      frozen reference.
-omega = 0 is GRPO (no twins); --method=NAME trains a baseline of methods.py through the same loop.
+omega = 0 is GRPO (no twins); --method=NAME trains a baseline (methods.py registry) through the same loop: its
+rollout and its advantages replace steps 1-6.
 
 How this differs from textbook GRPO (as Search-R1/verl run it): turn-level twin credit is added to
 the broadcast trajectory advantage (steps 3-6); every token is sampled with keyed Gumbel noise,
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import baselines
 import checkpoint
 import config
 import credit
@@ -54,9 +56,8 @@ import rollout
 
 
 @dataclass
-class Config(methods.Knobs):
-    """Every knob of a run (DESIGN.md sections 3-6), paper defaults; the baselines' own
-    knobs (vine_k, gamma, ...) are inherited from methods.Knobs."""
+class Config:
+    """Every knob of a run (DESIGN.md sections 3-7), paper defaults."""
     # --- io ---
     world: str = "data/tinyworld"   # world folder (tinyworld.py): fills the blank paths below
     model: str = ""                 # initial policy and reference: hub id or folder
@@ -81,7 +82,7 @@ class Config(methods.Knobs):
     gen_batch_size: int = 64        # rows per generate call
     fused_sampler: bool = False     # torch.compile the keyed sampler (GPU)
     # --- credit (DESIGN 5, 7) ---
-    method: str = "twice"           # twice, or a baseline of methods.py (grpo, vineppo, ...)
+    method: str = "twice"           # twice, or a baseline of methods.py's registry (grpo, vineppo, ...)
     omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (method=grpo)
     twin_budget: float = 0.7        # expected twin tokens / factual tokens (sum_t q_t c_t)
     q_min: float = 0.05             # q_min, floor of the branch probability
@@ -91,6 +92,23 @@ class Config(methods.Knobs):
     same_evidence_shortcut: bool = True  # D = 0, no rollout, when both searches get the same ids
     scale_decay: float = 0.9        # EMA decay of sigma_hat (RMS of the nonzero A_hat)
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
+    # --- baselines (DESIGN 7; baselines.py, learned.py): read only by the method they name ---
+    vine_k: int = 9                 # vineppo: K Monte Carlo continuations per turn boundary (Kazemnejad et al.: 9)
+    step_gamma: float = 0.95        # gigpo, hgpo: gamma of the step return R_t = gamma^(T-1-t) U (GiGPO: 0.95)
+    hgpo_k: int = 2                 # hgpo: longest history context K of the step groups (levels k = 0..K)
+    hgpo_alpha: float = 1.0         # hgpo: level weight w_k ~ (k + 1)^alpha
+    arpo_initial: float = 0.5       # arpo: full samples N / rollout budget M = group_size (ARPO: 8 of 16)
+    arpo_beam: int = 2              # arpo: partial samples Z branched per triggered step (ARPO: 2)
+    arpo_beta: float = 0.2          # arpo: entropy weight beta of P_t = alpha + beta Normalize(H_t - H_initial)
+    arpo_tau: float = 0.5           # arpo: branch iff P_t > tau, alpha ~ U(0, 1) (ARPO's code: 0.5)
+    tree_m: int = 2                 # tree_grpo: trees M per prompt; expansions fill the group to group_size leaves
+    tree_l: int = 1                 # tree_grpo: expansion rounds L
+    gamma: float = 1.0              # discount: ppo's GAE, igpo/spa_rl returns, agentprm MC targets (papers: 1)
+    gae_lambda: float = 1.0         # lambda of ppo's GAE (Search-R1: 1)
+    estimator_lr_scale: float = 10.0  # lr of critic / progress estimator / PRM over lr (Search-R1: 1e-5 / 1e-6)
+    spa_beta: float = 0.1           # SPA-RL weight of the grounding reward g_t (progress weight alpha = 1)
+    prm_rollouts: int = 1           # AgentPRM Monte Carlo continuations per non-final decision
+    craft_beta: float = 1.0         # CRAFT inverse temperature of the sibling weights exp(beta g)
     # --- optim (DESIGN 6) ---
     steps: int = 200                # optimisation steps, one batch of prompts each (at most)
     token_budget: int = 0           # stop at this many generated tokens, factual + aux (0: off)
@@ -141,7 +159,15 @@ class Config(methods.Knobs):
                 [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
                  ("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
                  ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"),
-                 ("omega", math.isfinite(self.omega), "finite")] + self.knob_checks())
+                 ("omega", math.isfinite(self.omega), "finite")] + self.baseline_checks())
+
+    def baseline_checks(self) -> list:
+        at_least = {"vine_k": 1, "hgpo_k": 0, "arpo_beam": 1, "tree_m": 1, "tree_l": 1, "estimator_lr_scale": 0,
+                    "spa_beta": 0, "prm_rollouts": 0, "craft_beta": 0}
+        return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
+                [(k, 0 < getattr(self, k) <= 1, "in (0, 1]") for k in ("step_gamma", "arpo_initial", "gamma")] +
+                [("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
+                 ("tree_m", self.tree_m <= self.group_size, "<= group_size")])
 
 
 def parse_config(argv) -> Config:  # preset files, then --key=value overrides (config.py)
@@ -157,7 +183,7 @@ class Run:
     tok: object                     # tokenizer
     retriever: object               # DenseRetriever or RemoteRetriever
     opt: object                     # AdamW
-    method: methods.Method          # cfg.method's rollout and credit (TWICE's steps 3-5: below)
+    method: baselines.Method        # cfg.method's rollout and advantages (TWICE's: twin_credit)
     predictor: credit.DiscordancePredictor  # p_t of the budget rule
     sigma_hat: credit.RunningScale  # sigma_hat of the token advantage
     rows: list                      # training questions
@@ -247,65 +273,21 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     accel, times = run.accel, {"start": time.time()}
     policy = accel.unwrap_model(run.policy)
     policy.eval()
-    proto, G = rollout.protocol_from(cfg), cfg.group_size
+    proto = rollout.protocol_from(cfg)
     with torch.no_grad(), accel.autocast():
-        # 1. Factual episodes: G lines per prompt, every token a keyed Gumbel-max draw.
+        # 1. Factual episodes: G lines per prompt, every token a keyed Gumbel-max draw (a baseline's own rollout).
         prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, step, accel.process_index,
                                        accel.num_processes)
         episodes = run.method.rollout(run, step, prompts, proto)
-        rewards = np.array([ep.reward for ep in episodes])
-        factual_tokens = sum(ep.n_generated for ep in episodes)
+        batch = {k: v.to(accel.device) for k, v in rollout.collate(episodes, run.tok.pad_token_id).items()}
         times["rollout"] = time.time()
 
-        # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
-        a_traj = run.method.trajectory_advantages(episodes)
-        a_hat, stats = [np.zeros(len(ep.turns)) for ep in episodes], {}  # A_hat per turn: 0 unless branched
+        # 2.-6. Token advantages: TWICE's twin credit, or the baseline's own (baselines.Method.advantages).
         if cfg.method in methods.TWIN_METHODS:
-            # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; keyed branch draws.
-            #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the budget).
-            group_success = rewards.reshape(-1, G).mean(1).repeat(G)
-            decisions = rollout.decision_table(episodes, group_success)
-            budget = credit.solve_budget(run.predictor.predict(decisions.features), decisions.cost,
-                                         cfg.twin_budget * factual_tokens, cfg.q_min, cfg.budget_rule)
-            u = [rollout.branch_uniform(cfg.seed, step, episodes[i].uid, episodes[i].line, t)
-                 for i, t in decisions.index]
-            branched = credit.branch_mask(budget.q, np.array(u))
-
-            # 4. Twins of the branched decisions: y' at turn t, then the factual keys (same luck).
-            pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(cfg.twins_per_decision)]
-            requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j) for n, j in pairs]
-            twins = rollout.run_twins(policy, run.tok, run.retriever, requests, proto, cfg.coupling,
-                                      cfg.same_evidence_shortcut, run.method.independent_twins)
-
-            # 5. Horvitz-Thompson credit A_hat_t = 1[branched] mean_j D_t^j / q_t; the predictor learns
-            #    from the whole batch's twins (same model on every rank); sigma_hat: the RMS of A_hat.
-            diffs = [[] for _ in decisions.index]
-            for (n, _), twin in zip(pairs, twins):
-                diffs[n].append(twin.diff)
-            a_hat_flat = credit.ht_credit(diffs, branched, budget.q)
-            for (i, t), a in zip(decisions.index, a_hat_flat):
-                a_hat[i][t] = a
-            labels = gather_list(accel, [(decisions.features[n].tolist(), float(twin.diff != 0))
-                                         for (n, _), twin in zip(pairs, twins)])
-            n_features = decisions.features.shape[1]
-            predictor_acc = run.predictor.update(np.array([x for x, _ in labels]).reshape(-1, n_features),
-                                                 [y for _, y in labels])
-            run.sigma_hat.update(gather_list(accel, a_hat_flat[branched].tolist()))
-            stats = {"twins": twins, "n_decisions": len(decisions.index), "predictor_acc": predictor_acc,
-                     "q_mean": float(budget.q.mean()) if len(decisions.index) else 0.0}
+            adv, stats = twin_credit(cfg, run, step, episodes, batch, proto)
+        else:
+            adv, stats = run.method.advantages(run, step, episodes, batch, proto)
         times["twins"] = time.time()
-
-        # 6. Token advantage A = A_traj + omega A_hat_t / sigma_hat on the sampled tokens of turn t.
-        if cfg.method in methods.TWIN_METHODS:
-            turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, run.sigma_hat.value)
-        else:  # GRPO and the baselines: their own per-turn advantage (methods.py), for steps 3-6
-            turn_adv, stats = run.method.turn_advantages(run, step, episodes, proto)
-        batch = {k: v.to(accel.device) for k, v in rollout.collate(episodes, run.tok.pad_token_id).items()}
-        # turn t's tokens are ep.turns[t].start..end of the response, which starts after the prompt
-        spans = [[(len(ep.prompt_ids) + t.start, len(ep.prompt_ids) + t.end) for t in ep.turns] for ep in episodes]
-        adv = credit.spread_over_tokens(turn_adv, spans, batch["input_ids"].shape[1])
-        if hasattr(run.method, "token_advantages"):  # token-level methods (ppo's GAE, craft): (B, L)
-            adv, stats = run.method.token_advantages(run, step, episodes, batch, adv)
         # log-prob k predicts token k + 1 (token_logprobs): token k's advantage moves to k - 1
         adv = torch.tensor(adv[:, 1:], dtype=torch.float32, device=accel.device)
         old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True)
@@ -324,15 +306,84 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     metrics = {"step": step, **batch_totals(accel, episodes, batch, ent), "lr": lr, "sigma": run.sigma_hat.value,
                "weight_norm": norm, **update}
     if "twins" in stats:
-        metrics.update(methods.twin_stats(accel, stats["twins"], stats["n_decisions"], metrics["factual_tokens"]))
+        metrics.update(twin_stats(accel, stats["twins"], stats["n_decisions"], metrics["factual_tokens"]))
         metrics.update(predictor_acc=stats["predictor_acc"], q_mean=stats["q_mean"], aux_tokens=metrics["twin_tokens"])
     else:
-        metrics.update(methods.reduce_stats(accel, stats))
+        metrics.update(reduce_stats(accel, stats))
     metrics.update({"time_rollout": times["rollout"] - times["start"],
                     "time_twins": times["twins"] - times["rollout"],
                     "time_update": now - times["twins"],
                     "time": now - times["start"]})
     return metrics
+
+
+def twin_credit(cfg: Config, run: Run, step: int, episodes, batch, proto) -> tuple:
+    """Steps 2-6 of TWICE: (B, L) token advantages A = A_traj + omega A_hat_t / sigma_hat and the twins' counters."""
+    accel, policy, G = run.accel, run.accel.unwrap_model(run.policy), cfg.group_size
+    rewards = np.array([ep.reward for ep in episodes])
+    factual_tokens = sum(ep.n_generated for ep in episodes)
+    # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
+    a_traj = run.method.trajectory_advantages(episodes)
+    a_hat = [np.zeros(len(ep.turns)) for ep in episodes]  # A_hat per turn: 0 unless branched
+
+    # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; keyed branch draws.
+    #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the budget).
+    group_success = rewards.reshape(-1, G).mean(1).repeat(G)
+    decisions = rollout.decision_table(episodes, group_success)
+    budget = credit.solve_budget(run.predictor.predict(decisions.features), decisions.cost,
+                                 cfg.twin_budget * factual_tokens, cfg.q_min, cfg.budget_rule)
+    u = [rollout.branch_uniform(cfg.seed, step, episodes[i].uid, episodes[i].line, t) for i, t in decisions.index]
+    branched = credit.branch_mask(budget.q, np.array(u))
+
+    # 4. Twins of the branched decisions: y' at turn t, then the factual keys (same luck).
+    pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(cfg.twins_per_decision)]
+    requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j) for n, j in pairs]
+    twins = rollout.run_twins(policy, run.tok, run.retriever, requests, proto, cfg.coupling,
+                              cfg.same_evidence_shortcut, run.method.independent_twins)
+
+    # 5. Horvitz-Thompson credit A_hat_t = 1[branched] mean_j D_t^j / q_t; the predictor learns from the whole
+    #    batch's twins (same model on every rank); sigma_hat: the RMS of A_hat.
+    diffs = [[] for _ in decisions.index]
+    for (n, _), twin in zip(pairs, twins):
+        diffs[n].append(twin.diff)
+    a_hat_flat = credit.ht_credit(diffs, branched, budget.q)
+    for (i, t), a in zip(decisions.index, a_hat_flat):
+        a_hat[i][t] = a
+    labels = gather_list(accel, [(decisions.features[n].tolist(), float(twin.diff != 0))
+                                 for (n, _), twin in zip(pairs, twins)])
+    n_features = decisions.features.shape[1]
+    predictor_acc = run.predictor.update(np.array([x for x, _ in labels]).reshape(-1, n_features),
+                                         [y for _, y in labels])
+    run.sigma_hat.update(gather_list(accel, a_hat_flat[branched].tolist()))
+
+    # 6. Token advantage A = A_traj + omega A_hat_t / sigma_hat on the sampled tokens of turn t.
+    turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, run.sigma_hat.value)
+    adv = credit.spread_over_tokens(turn_adv, rollout.turn_spans(episodes), batch["input_ids"].shape[1])
+    return adv, {"twins": twins, "n_decisions": len(decisions.index), "predictor_acc": predictor_acc,
+                 "q_mean": float(budget.q.mean()) if len(decisions.index) else 0.0}
+
+
+TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant", "twin_tokens")
+
+
+def twin_stats(accel, twins, n_decisions: int, factual_tokens: int) -> dict:
+    """The twin counters of TWIN_COUNTERS summed over ranks, and the logged rates (factual_tokens: summed)."""
+    kinds = [twin.kind for twin in twins]
+    counts = [n_decisions, len(twins), kinds.count("self"), kinds.count("same_evidence"), kinds.count("rollout"),
+              sum(twin.diff != 0 for twin in twins), sum(twin.tokens for twin in twins)]
+    total = accel.reduce(torch.tensor(counts, dtype=torch.float64, device=accel.device), "sum").tolist()
+    out = {k: int(v) for k, v in zip(TWIN_COUNTERS, total)}
+    out["discordance"] = out["discordant"] / max(out["twins"], 1)
+    out["twin_token_ratio"] = out["twin_tokens"] / max(factual_tokens, 1)
+    return out
+
+
+def reduce_stats(accel, stats: dict) -> dict:
+    """A method's per-rank counters summed over ranks (every value a number; aux_tokens among them)."""
+    keys = sorted(stats)
+    counts = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=accel.device)
+    total = accel.reduce(counts, "sum").tolist() if keys else []
+    return {k: int(v) if float(v).is_integer() else v for k, v in zip(keys, total)}
 
 
 def batch_totals(accel, episodes, batch, ent) -> dict:

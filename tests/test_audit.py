@@ -395,18 +395,19 @@ def method_setup():
 
 
 def test_method_row_is_the_methods_advantage_at_the_decision_turn(method_setup):
-    """GiGPO's row equals methods.GiGPO().turn_advantages on the hand-built group [F_r, the prompt's lines of repeat r]
-    at F_r's decision turn t (and not at the other turn), though the audit batches both prompts in one call."""
+    """GiGPO's row equals baselines.GiGPO().turn_advantages on the hand-built group [F_r, the prompt's lines of
+    repeat r] at F_r's decision turn t (and not at the other turn), though the audit batches both prompts in one
+    call."""
     run, mcfg, facts, line_eps, decisions, calls, _ = method_setup
     assert [len(eps) for _, _, eps in calls] == [6] * 4  # (t, r) calls, each with both prompts' groups of 3
-    est, aux = audit.method_estimates(methods.GiGPO(mcfg), run, calls, (4, 2), PROTO, 0)
+    est, aux = audit.method_estimates(baselines.GiGPO(mcfg), run, calls, (4, 2), PROTO, 0)
     assert np.all(aux == 0)
     bites = 0
     for n, (i, t) in enumerate(decisions):
         for r in range(2):
             f = facts[n * 2 + r]
             group = [audit.rekeyed(f, t, r), *line_eps[i][r]]
-            adv, _ = methods.GiGPO(mcfg).turn_advantages(run, 0, group, PROTO)
+            adv, _ = baselines.GiGPO(mcfg).turn_advantages(run, 0, group, PROTO)
             assert est[n, r] == pytest.approx(adv[0][t], abs=1e-12), (n, r)
             bites += len(adv[0]) == 2 and abs(adv[0][t] - adv[0][1 - t]) > 1e-6
             assert group[0].ids == f.ids and group[0].key != f.key  # the same episode, its own continuation key

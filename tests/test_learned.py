@@ -1,5 +1,5 @@
-"""methods.py's learned-estimator and token-level methods (ppo, igpo, spa_rl, agentprm, craft): hand-computed targets
-and advantages, the estimators' losses falling on a fixed batch, two training steps and exact resume per method."""
+"""learned.py (ppo, spa_rl, agentprm) and the token-level baselines (igpo, craft): hand-computed targets and
+advantages, the estimators' losses falling on a fixed batch, two training steps and exact resume per method."""
 import json
 import math
 import os
@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+import baselines
 import credit
+import learned
+import logprobs
 import methods
 import rollout
 import train_twice as tt
@@ -23,26 +26,26 @@ def test_gae_skips_observation_tokens_and_telescopes_at_gamma_lambda_1():
     r = np.array([[0, 0, 0, 1.0]])
     v = np.array([[0.2, 0.5, 9.0, 0.4]])  # position 2 is an observation token: its value must not be used
     m = np.array([[1, 1, 0, 1]])
-    adv, ret = credit.gae(r, v, m, 1.0, 1.0)
+    adv, ret = learned.gae(r, v, m, 1.0, 1.0)
     assert np.allclose(adv, [[0.8, 0.5, 0, 0.6]]) and np.allclose(ret, [[1, 1, 0, 1]])  # A = R - V, returns = R
-    adv, ret = credit.gae(r, v, m, 0.5, 0.5)
+    adv, ret = learned.gae(r, v, m, 0.5, 0.5)
     # k=3: 1 - 0.4 = 0.6; k=1: 0.5*0.4 - 0.5 + 0.25*0.6 = -0.15; k=0: 0.5*0.5 - 0.2 + 0.25*(-0.15) = 0.0125
     assert np.allclose(adv, [[0.0125, -0.15, 0, 0.6]]) and np.allclose(ret, [[0.2125, 0.35, 0, 1.0]])
 
 
 def test_masked_whiten_and_group_turn_normalise():
     x, m = np.array([[1.0, 5.0, 3.0], [7.0, 0.0, 0.0]]), np.array([[1, 0, 1], [1, 0, 0]])
-    out = credit.masked_whiten(x, m)
+    out = learned.masked_whiten(x, m)
     vals = np.array([1.0, 3.0, 7.0])  # mean 11/3, unbiased var 28/3
     assert np.allclose(out[m > 0], (vals - 11 / 3) / math.sqrt(28 / 3 + 1e-8)) and (out[m == 0] == 0).all()
-    a = credit.group_turn_normalise([[1.0, 3.0], [2.0], [5.0, 5.0]], [0, 0, 1])
+    a = learned.group_turn_normalise([[1.0, 3.0], [2.0], [5.0, 5.0]], [0, 0, 1])
     # group 0 turns {1, 3, 2}: mean 2, std 1; group 1 {5, 5}: std 0 -> 0
     assert np.allclose(a[0], [-1, 1], atol=1e-5) and np.allclose(a[1], [0]) and np.allclose(a[2], [0, 0])
 
 
 def test_craft_token_weights_keep_the_turn_total():
-    assert np.allclose(credit.craft_token_weights([0.0, 1.0, -3.0]), [0, 0.75, 2.25])
-    assert np.allclose(credit.craft_token_weights([0.0, 0.0]), [1, 1])
+    assert np.allclose(baselines.craft_token_weights([0.0, 1.0, -3.0]), [0, 0.75, 2.25])
+    assert np.allclose(baselines.craft_token_weights([0.0, 0.0]), [1, 1])
 
 
 # --- methods on hand-built episodes ------------------------------------------------------------------------------
@@ -76,13 +79,13 @@ def test_craft_adds_the_sibling_importance_credit(monkeypatch, tiny_world):
 
     def teacher(model, rows, pad, micro, temperature=1.0):  # token k of the response sits at offset + k - 1
         return [np.array([0.0] * (len(r) - 3) + [-1 + gaps[b][0], -1 + gaps[b][1]]) for b, r in enumerate(rows)]
-    monkeypatch.setattr(methods.estimators, "token_logprobs_rows", teacher)
+    monkeypatch.setattr(baselines.logprobs, "token_logprobs_rows", teacher)
     run = Stub(tok)
     cfg = tt.Config(group_size=3, craft_beta=1.0)
     batch = rollout.collate(eps, 0)
     adv0 = credit.spread_over_tokens([[a] for a in credit.grpo_advantages([1.0, 0, 0], [0, 0, 0])],
                                      [[(2, 4)]] * 3, batch["input_ids"].shape[1])
-    out, stats = methods.CRAFT(cfg).token_advantages(run, 0, eps, batch, adv0)
+    out, stats = baselines.CRAFT(cfg).token_advantages(run, 0, eps, batch, adv0)
     A = [2 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)]  # GRPO: mean 1/3, std sqrt(1/3)
     w = [math.exp(0.5), math.exp(-2.0), 1.0]  # exp(beta * turn gap sum)
     C = [(w[1] * A[1] + w[2] * A[2]) / (w[1] + w[2]) - (A[1] + A[2]) / 2,
@@ -108,12 +111,12 @@ def test_agentprm_targets_average_mc_continuations_and_shared_prefixes(monkeypat
             br.reward, br.n_generated = mc[ep.key], 3
             out.append(br)
         return out
-    monkeypatch.setattr(methods.rollout, "continue_from", fake_continue)
+    monkeypatch.setattr(learned.rollout, "continue_from", fake_continue)
     run = Stub()
-    q, aux = methods.AgentPRM(tt.Config(group_size=2, prm_rollouts=1)).mc_targets(run, eps, None)
+    q, aux = learned.AgentPRM(tt.Config(group_size=2, prm_rollouts=1)).mc_targets(run, eps, None)
     # key (7, 8): returns 1 (line 0), 0 (line 1), 0 (line 0's MC), 1 (line 1's MC) -> 0.5; final turns: own outcome
     assert np.allclose(q, [0.5, 1.0, 0.5, 0.0]) and aux == 6
-    assert math.isclose(credit.soft_bce([0.5], [0.5]), math.log(2))
+    assert math.isclose(learned.soft_bce([0.5], [0.5]), math.log(2))
 
 
 # --- on the tiny world: estimators learn, methods train two steps and resume exactly ------------------------------
@@ -128,7 +131,7 @@ def tiny_run(tiny_world, tmp_path_factory):
     proto = rollout.protocol_from(cfg)
     with torch.no_grad():
         prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, 0)
-        episodes = methods.Method(cfg).rollout(run, 0, prompts, proto)
+        episodes = baselines.Method(cfg).rollout(run, 0, prompts, proto)
     for i, ep in enumerate(episodes):  # a fixed batch with both outcomes in every group, whatever the policy did
         ep.reward = float(i % 2)
     return cfg, run, episodes, proto
@@ -157,14 +160,14 @@ def test_estimator_loss_falls_on_a_fixed_batch(tiny_run, name, key):
 
 def test_igpo_answer_logprobs_are_the_teacher_forced_gold_answer(tiny_run):
     cfg, run, episodes, proto = tiny_run
-    pre, ans = methods.IGPO(cfg).answer_ids(run.tok, "Forvamouth")
+    pre, ans = baselines.IGPO(cfg).answer_ids(run.tok, "Forvamouth")
     assert run.tok.decode(pre + ans).replace(" ", "") == "<answer>Forvamouth"
     ep = episodes[0]
     row = ep.prompt_ids + pre + ans
     with torch.no_grad():
         logits = run.policy(input_ids=torch.tensor([row])).logits[0].log_softmax(-1)
     manual = np.mean([float(logits[len(row) - len(ans) - 1 + j, a]) for j, a in enumerate(ans)])
-    lp = methods.estimators.token_logprobs_rows(run.policy, [row, row[:3]], 0, 4)
+    lp = logprobs.token_logprobs_rows(run.policy, [row, row[:3]], 0, 4)
     assert len(lp[1]) == 2 and math.isclose(lp[0][-len(ans):].mean(), manual, rel_tol=1e-5)
 
 
@@ -188,3 +191,20 @@ def test_two_steps_and_exact_resume(tiny_world, tmp_path, name):
         sb = torch.load(os.path.join(b, "step_000002", "estimator.pt"))["net"]
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
         assert json.load(open(os.path.join(b, "config.json")))["method"] == name
+
+
+# --- the formulas, by hand ---
+def test_spa_rl():
+    np.testing.assert_allclose(learned.spa_rl_rewards([0.2, 0.4], [1, 0], alpha=0.5, beta=2.0), [2.1, 0.2])
+    assert learned.spa_rl_loss([[0.2, 0.3], [0.5]], [1.0, 0.0]) == pytest.approx(0.25)
+    c = [torch.tensor([0.2, 0.3], requires_grad=True), torch.tensor([0.5], requires_grad=True)]
+    loss = learned.spa_rl_loss(c, torch.tensor([1.0, 0.0]))
+    loss.backward()  # d/dc = 2 (sum c - R) / n
+    assert c[0].grad.tolist() == pytest.approx([-0.5, -0.5]) and c[1].grad.tolist() == pytest.approx([0.5])
+
+
+def test_agentprm():
+    q = learned.agentprm_targets([("s", "a"), ("s", "a"), ("s", "b"), ("t", "a")], [1.0, 0.0, 0.81, 0.5])
+    np.testing.assert_allclose(q, [0.5, 0.5, 0.81, 0.5])
+    assert learned.soft_bce([0.5], [0.5]) == pytest.approx(math.log(2))
+    assert learned.soft_bce([0.8, 0.2], [1.0, 0.0]) == pytest.approx(-math.log(0.8))
