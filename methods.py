@@ -17,7 +17,7 @@ steps 3-5; every other method is a `Method` here, and plugs into the same step a
   estimators' weights and optimizer state).
 
 Every extra rollout goes through rollout.py (branch, continue_from, run_twins) with keys derived like twin keys
-(rollout.fresh_key(episode key, TAG, ...)), so every method is exactly reproducible and resumable.
+(sampler.fresh_key(episode key, TAG, ...)), so every method is exactly reproducible and resumable.
 """
 import math
 import os
@@ -29,7 +29,9 @@ import torch
 
 import credit
 import estimators
+import protocol
 import rollout
+import sampler
 
 TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant", "twin_tokens")
 
@@ -123,7 +125,7 @@ class VinePPO(Method):
 
     def turn_advantages(self, run, step, episodes, proto) -> tuple:
         K = self.cfg.vine_k
-        requests = [(ep, t, False, rollout.fresh_key(ep.key, rollout.VINE_TAG, t, k))
+        requests = [(ep, t, False, sampler.fresh_key(ep.key, sampler.VINE_TAG, t, k))
                     for ep in episodes for t in range(len(ep.turns)) for k in range(K)]
         conts = rollout.continue_from(self.policy(run), run.tok, run.retriever, requests, proto)
         outcomes, adv = iter(c.reward for c in conts), []
@@ -236,7 +238,7 @@ class ARPO(TreeMethod):
         if not cand or not ep.turns[0].entropy:
             return []
         h = [float(np.mean(ep.turns[t].entropy)) for t in cand]
-        alpha = [rollout.branch_uniform(ep.key, rollout.ARPO_TAG, t) for t in cand]
+        alpha = [sampler.branch_uniform(ep.key, sampler.ARPO_TAG, t) for t in cand]
         fire = credit.arpo_branch(h, float(np.mean(ep.turns[0].entropy)), np.array(alpha), self.cfg.arpo_beta,
                                   self.cfg.arpo_tau, vocab)
         return [t for t, f in zip(cand, fire) if f]
@@ -253,7 +255,7 @@ class ARPO(TreeMethod):
             for i, ep in enumerate(g[:n0]):
                 for t in self.triggered(ep, policy.config.vocab_size):
                     for z in range(min(self.cfg.arpo_beam, G - len(tree))):
-                        seed = rollout.fresh_key(ep.key, rollout.ARPO_TAG, t, z)
+                        seed = sampler.fresh_key(ep.key, sampler.ARPO_TAG, t, z)
                         tree.append((rollout.branch(ep, t, fresh_seed=seed), i, t, 0))
             tree += [(ep, None, 0, 0) for ep in g[len(tree):]]  # unspent budget: GRPO's remaining lines
             pending += [ep for ep, *_ in tree[n0:]]
@@ -289,8 +291,8 @@ class TreeGRPO(TreeMethod):
                     seen.add(node)
                     nodes.append((i, t))
         root = tree[m][0]
-        i, t = nodes[int(rollout.branch_uniform(root.key, rollout.TREE_TAG, e) * len(nodes))]
-        seed = rollout.fresh_key(root.key, rollout.TREE_TAG, e)
+        i, t = nodes[int(sampler.branch_uniform(root.key, sampler.TREE_TAG, e) * len(nodes))]
+        seed = sampler.fresh_key(root.key, sampler.TREE_TAG, e)
         return rollout.branch(tree[i][0], t, fresh_seed=seed), i, t, m
 
     @staticmethod
@@ -353,9 +355,6 @@ def make(cfg) -> Method:
 # aux_tokens (generated), each logs aux_fwd_tokens / aux_bwd_tokens (tokens through an extra forward / backward
 # pass: estimators, teacher-forced policy passes) and time_credit (seconds, mean over ranks).
 
-ESTIMATOR_TAG = 0x657374  # "est": mini-batch order of the estimator's passes, independent of the actor's
-
-
 def _response_positions(episodes) -> list:
     """Per episode, the position (in collate's rows) of each turn's last sampled token: where the state-action
     (s_t, a_t) has been read, so a scorer's output there is a function of (s_t, a_t)."""
@@ -396,7 +395,8 @@ class _Learned(Method):
         critic). loss_sum(scores, rows) sums the loss of the given batch rows; norm(rows) is its normaliser."""
         cfg, losses = self.cfg, []
         for epoch in range(cfg.ppo_epochs):
-            order = np.random.default_rng(rollout.mix(cfg.seed, step, epoch, ESTIMATOR_TAG)).permutation(len(ids))
+            seed = sampler.mix(cfg.seed, step, epoch, sampler.ESTIMATOR_TAG)
+            order = np.random.default_rng(seed).permutation(len(ids))
             for mb in np.array_split(order, cfg.mini_batches):
                 mb = torch.as_tensor(mb)
                 losses.append(self.est.fit(run.accel, ids[mb], att[mb], lambda s, rows, mb=mb: loss_sum(s, mb[rows]),
@@ -532,7 +532,7 @@ class AgentPRM(_Learned):
             for t, turn in enumerate(ep.turns):
                 keys.append(np.asarray(ep.prompt_ids + ep.ids[:turn.end], dtype=np.int64).tobytes())
                 returns.append(cfg.gamma ** (len(ep.turns) - 1 - t) * ep.reward)
-        requests = [(ep, t, True, rollout.fresh_key(ep.key, rollout.MC_Q_TAG, t, k)) for ep in episodes
+        requests = [(ep, t, True, sampler.fresh_key(ep.key, sampler.MC_Q_TAG, t, k)) for ep in episodes
                     for t in range(len(ep.turns) - 1) for k in range(cfg.prm_rollouts)]
         branches = rollout.continue_from(run.accel.unwrap_model(run.policy), run.tok, run.retriever, requests,
                                          proto) if requests else []
@@ -579,7 +579,7 @@ class CRAFT(Method):
         rows, offsets = [], []
         for ep in episodes:
             hint = f"{ep.question}\nReference answer: {ep.golden_answers[0]}"
-            prompt = tok(rollout.render_prompt(tok, hint), add_special_tokens=not chat)["input_ids"]
+            prompt = tok(protocol.render_prompt(tok, hint), add_special_tokens=not chat)["input_ids"]
             rows.append(prompt + ep.ids)
             offsets.append(len(prompt))
         teacher = estimators.token_logprobs_rows(run.accel.unwrap_model(run.policy), rows, tok.pad_token_id,

@@ -10,7 +10,9 @@ import torch
 
 import credit
 import methods
+import protocol
 import rollout
+import sampler
 import train_twice as tt
 from test_train import read_metrics, tiny_cfg
 
@@ -49,7 +51,7 @@ def test_craft_token_weights_keep_the_turn_total():
 
 def episode(line, ids, turns, reward, prompt=(5, 5)):
     """An Episode with given response ids and turns (start, end, obs_end, action), a finished outcome."""
-    ep = rollout.Episode(uid=1, line=line, key=rollout.episode_key(0, 0, 1, line), question="Who?",
+    ep = rollout.Episode(uid=1, line=line, key=sampler.episode_key(0, 0, 1, line), question="Who?",
                          golden_answers=["Forvamouth"], prompt_ids=list(prompt))
     ep.ids, ep.mask = list(ids), [1] * len(ids)
     for start, end, obs_end, action in turns:
@@ -102,7 +104,7 @@ def test_agentprm_targets_average_mc_continuations_and_shared_prefixes(monkeypat
     def fake_continue(model, tok, retriever, requests, proto):
         out = []
         for ep, t, inc, seed in requests:
-            assert inc and seed == rollout.fresh_key(ep.key, rollout.MC_Q_TAG, t, 0)
+            assert inc and seed == sampler.fresh_key(ep.key, sampler.MC_Q_TAG, t, 0)
             br = rollout.branch(ep, t, include_turn=True, fresh_seed=seed)
             br.turns.append(ep.turns[-1])
             br.reward, br.n_generated = mc[ep.key], 3
@@ -125,7 +127,7 @@ def tiny_run(tiny_world, tmp_path_factory):
     cfg = tiny_cfg(tiny_world, str(tmp_path_factory.mktemp("est")), "--lr=2e-4")  # estimators: 2e-3
     cfg.resolve()
     run = tt.setup(cfg)
-    proto = rollout.protocol_from(cfg)
+    proto = protocol.protocol_from(cfg)
     with torch.no_grad():
         prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, 0)
         episodes = methods.Method(cfg).rollout(run, 0, prompts, proto)
