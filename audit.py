@@ -77,10 +77,11 @@ import config
 import credit
 import eval as qa_eval
 import methods
+import protocol
 import rollout
+import sampler
 import train_twice
 
-ORDER_TAG, REROLL_TAG, GROUP_TAG, VINE_TAG = 0x6F7264, 0x72726F6C, 0x67727030, 0x76696E65
 TRAIN = train_twice.Config()  # the trainer's defaults: the audit measures credit as training computes it
 
 
@@ -174,7 +175,7 @@ def outcomes(model, tok, retr, requests, cfg, proto, desc) -> np.ndarray:
 # --- rollouts: factual decisions, oracle, re-rolled factual episodes, twins, GRPO lines, VinePPO values ---
 def collect(model, tok, retr, rows, cfg, proto):
     """(rows, episodes, decisions [(episode index, turn)]): whole episodes in keyed question order until >= N."""
-    order = np.random.default_rng(rollout.mix(cfg.seed, ORDER_TAG)).permutation(len(rows))
+    order = np.random.default_rng(sampler.mix(cfg.seed, sampler.ORDER_TAG)).permutation(len(rows))
     chosen, episodes, decisions = [], [], []
     step = max(1, cfg.decisions // 2)  # every episode has a turn: a few batches at most
     for c in range(0, len(rows), step):
@@ -194,8 +195,8 @@ def collect(model, tok, retr, rows, cfg, proto):
 def oracle(model, tok, retr, episodes, decisions, cfg, proto) -> dict:
     """A* = Q - V from M fresh rollouts per side, its SE, Q, V and the oracle's tokens, each (N,)."""
     M = cfg.oracle_rollouts
-    reqs = [(episodes[i], t, inc, rollout.fresh_key(episodes[i].key, tag, t, k)) for i, t in decisions
-            for inc, tag in ((True, rollout.MC_Q_TAG), (False, rollout.MC_V_TAG)) for k in range(M)]
+    reqs = [(episodes[i], t, inc, sampler.fresh_key(episodes[i].key, tag, t, k)) for i, t in decisions
+            for inc, tag in ((True, sampler.MC_Q_TAG), (False, sampler.MC_V_TAG)) for k in range(M)]
     x = outcomes(model, tok, retr, reqs, cfg, proto, "oracle").reshape(len(decisions), 2, M, 2)
     q, v = x[:, 0, :, 0], x[:, 1, :, 0]
     return {"a": q.mean(1) - v.mean(1), "se": np.sqrt(q.var(1, ddof=1) / M + v.var(1, ddof=1) / M),
@@ -204,7 +205,7 @@ def oracle(model, tok, retr, episodes, decisions, cfg, proto) -> dict:
 
 def reroll(model, tok, retr, episodes, decisions, cfg, proto) -> list:
     """F_r of every (decision, repeat), decision-major: the factual prefix through y_t, fresh luck after it."""
-    reqs = [(episodes[i], t, True, rollout.fresh_key(episodes[i].key, REROLL_TAG, t, r))
+    reqs = [(episodes[i], t, True, sampler.fresh_key(episodes[i].key, sampler.REROLL_TAG, t, r))
             for i, t in decisions for r in range(cfg.repeats)]
     return batched(lambda q: rollout.continue_from(model, tok, retr, q, proto), reqs, cfg, "re-roll")
 
@@ -222,8 +223,8 @@ def twins(model, tok, retr, facts, decisions, cfg, proto, coupling) -> dict:
             res = [(x.twin, x.outcome, x.tokens) for x in
                    rollout.run_twins(model, tok, retr, chunk, proto, True, same_evidence_shortcut=False)]
         else:  # DEVIATION A6: every twin rolled out, a self-twin too
-            eps = [rollout.branch(f, t, key_overrides={t: rollout.alt_key(f.key, t, j)},
-                                  fresh_seed=rollout.fresh_key(f.key, rollout.UNCOUPLED_TAG, t, j))
+            eps = [rollout.branch(f, t, key_overrides={t: sampler.alt_key(f.key, t, j)},
+                                  fresh_seed=sampler.fresh_key(f.key, sampler.UNCOUPLED_TAG, t, j))
                    for f, t, j in chunk]
             res = [(e, e.reward, e.n_generated) for e in rollout.run_episodes(model, tok, retr, eps, proto)]
         out = []
@@ -241,7 +242,8 @@ def twins(model, tok, retr, facts, decisions, cfg, proto, coupling) -> dict:
 def group_lines(model, tok, retr, chosen, cfg, proto) -> list:
     """[episode][r]: the G-1 fresh lines (Episodes) of its prompt in repeat r, keys (mix(seed, GROUP_TAG), r, .)."""
     G, R = cfg.group_size, cfg.repeats
-    eps = [e for r in range(R) for e in rollout.start_episodes(tok, chosen, rollout.mix(cfg.seed, GROUP_TAG), r, G - 1)]
+    eps = [e for r in range(R)
+           for e in rollout.start_episodes(tok, chosen, sampler.mix(cfg.seed, sampler.GROUP_TAG), r, G - 1)]
     eps = batched(lambda q: rollout.run_episodes(model, tok, retr, q, proto), eps, cfg, "grpo lines")
     return [[eps[(r * len(chosen) + i) * (G - 1):(r * len(chosen) + i + 1) * (G - 1)] for r in range(R)]
             for i in range(len(chosen))]
@@ -254,14 +256,14 @@ def line_outcomes(line_eps) -> np.ndarray:
 
 def vine_values(model, tok, retr, episodes, decisions, cfg, proto, kmax) -> np.ndarray:
     """(N, R, kmax, 2) outcome and tokens of VinePPO's rollouts from each boundary s_t, seeds (VINE_TAG, t, r, k)."""
-    reqs = [(episodes[i], t, False, rollout.fresh_key(episodes[i].key, VINE_TAG, t, r, k)) for i, t in decisions
+    reqs = [(episodes[i], t, False, sampler.fresh_key(episodes[i].key, sampler.VINE_TAG, t, r, k)) for i, t in decisions
             for r in range(cfg.repeats) for k in range(kmax)]
     return outcomes(model, tok, retr, reqs, cfg, proto, "vineppo").reshape(len(decisions), cfg.repeats, kmax, 2)
 
 
 def rollouts(model, tok, retr, rows, cfg) -> dict:
     """Every rollout of the audit, each phase timed."""
-    proto, t = rollout.protocol_from(cfg), time.time()
+    proto, t = protocol.protocol_from(cfg), time.time()
     chosen, episodes, decisions = collect(model, tok, retr, rows, cfg, proto)
     raw = {"chosen": chosen, "episodes": episodes, "decisions": decisions, "times": {"collect_s": time.time() - t}}
     steps = [("oracle", lambda: oracle(model, tok, retr, episodes, decisions, cfg, proto)),
@@ -281,7 +283,6 @@ def rollouts(model, tok, retr, rows, cfg) -> dict:
 
 # --- method estimators: the method's own turn_advantages on groups [F_r, G-1 fresh lines of the prompt] ---
 METHOD_ROWS = {"gigpo": "GiGPO", "hgpo": "HGPO", "igpo": "IGPO", "spa_rl": "SPA-RL", "agentprm": "AgentPRM"}
-METHOD_TAG = 0x6D657468  # "meth": F_r's own key for what a method samples from it
 
 
 def method_names(text: str) -> list:
@@ -329,7 +330,7 @@ def method_config(cfg) -> "train_twice.Config":
 def rekeyed(f, t: int, r: int):
     """F_r under a key of its own, fresh_key(key, METHOD_TAG, t, r): its turns are sampled already, so this keys only
     what a method samples from it (AgentPRM's continuations): independent over repeats, disjoint from the oracle."""
-    g = dataclasses.replace(f, key=rollout.fresh_key(f.key, METHOD_TAG, t, r))
+    g = dataclasses.replace(f, key=sampler.fresh_key(f.key, sampler.METHOD_TAG, t, r))
     g._kv = getattr(f, "_kv", None)  # the cached engine may continue from F_r's cache
     return g
 
@@ -448,11 +449,11 @@ def crossfit_discordance(X, discordant, folds) -> np.ndarray:
 
 def horvitz_thompson(d, p, c, budget, q_min, seed):
     """(N, R) A_hat = 1[u < q] D / q, q and the branch mask, with q = solve_budget(p[:, r], c[:, r], budget) per
-    repeat and u = rollout.branch_uniform(seed, r, n) keyed uniforms (as the trainer's step 3, a batch a repeat)."""
+    repeat and u = sampler.branch_uniform(seed, r, n) keyed uniforms (as the trainer's step 3, a batch a repeat)."""
     est, q, branched = np.zeros(d.shape), np.zeros(d.shape), np.zeros(d.shape, dtype=bool)
     for r in range(d.shape[1]):
         q[:, r] = credit.solve_budget(p[:, r], c[:, r], budget, q_min, "sqrt").q
-        u = np.array([rollout.branch_uniform(seed, r, n) for n in range(d.shape[0])])
+        u = np.array([sampler.branch_uniform(seed, r, n) for n in range(d.shape[0])])
         branched[:, r] = credit.branch_mask(q[:, r], u)
         est[:, r] = credit.ht_credit(d[:, r:r + 1], branched[:, r], q[:, r])
     return est, q, branched

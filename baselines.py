@@ -29,7 +29,9 @@ import numpy as np
 
 import credit
 import logprobs
+import protocol
 import rollout
+import sampler
 from credit import as_array, group_index, grpo_advantages
 
 
@@ -118,7 +120,7 @@ class VinePPO(Method):
 
     def turn_advantages(self, run, step, episodes, proto) -> tuple:
         K = self.cfg.vine_k
-        requests = [(ep, t, False, rollout.fresh_key(ep.key, rollout.VINE_TAG, t, k))
+        requests = [(ep, t, False, sampler.fresh_key(ep.key, sampler.VINE_TAG, t, k))
                     for ep in episodes for t in range(len(ep.turns)) for k in range(K)]
         conts = rollout.continue_from(self.policy(run), run.tok, run.retriever, requests, proto)
         outcomes, adv = iter(c.reward for c in conts), []
@@ -316,7 +318,7 @@ class ARPO(TreeMethod):
         if not cand or not ep.turns[0].entropy:
             return []
         h = [float(np.mean(ep.turns[t].entropy)) for t in cand]
-        alpha = [rollout.branch_uniform(ep.key, rollout.ARPO_TAG, t) for t in cand]
+        alpha = [sampler.branch_uniform(ep.key, sampler.ARPO_TAG, t) for t in cand]
         fire = arpo_branch(h, float(np.mean(ep.turns[0].entropy)), np.array(alpha), self.cfg.arpo_beta,
                                   self.cfg.arpo_tau, vocab)
         return [t for t, f in zip(cand, fire) if f]
@@ -333,7 +335,7 @@ class ARPO(TreeMethod):
             for i, ep in enumerate(g[:n0]):
                 for t in self.triggered(ep, policy.config.vocab_size):
                     for z in range(min(self.cfg.arpo_beam, G - len(tree))):
-                        seed = rollout.fresh_key(ep.key, rollout.ARPO_TAG, t, z)
+                        seed = sampler.fresh_key(ep.key, sampler.ARPO_TAG, t, z)
                         tree.append((rollout.branch(ep, t, fresh_seed=seed), i, t, 0))
             tree += [(ep, None, 0, 0) for ep in g[len(tree):]]  # unspent budget: GRPO's remaining lines
             pending += [ep for ep, *_ in tree[n0:]]
@@ -369,8 +371,8 @@ class TreeGRPO(TreeMethod):
                     seen.add(node)
                     nodes.append((i, t))
         root = tree[m][0]
-        i, t = nodes[int(rollout.branch_uniform(root.key, rollout.TREE_TAG, e) * len(nodes))]
-        seed = rollout.fresh_key(root.key, rollout.TREE_TAG, e)
+        i, t = nodes[int(sampler.branch_uniform(root.key, sampler.TREE_TAG, e) * len(nodes))]
+        seed = sampler.fresh_key(root.key, sampler.TREE_TAG, e)
         return rollout.branch(tree[i][0], t, fresh_seed=seed), i, t, m
 
     @staticmethod
@@ -529,7 +531,7 @@ class CRAFT(Method):
         rows, offsets = [], []
         for ep in episodes:
             hint = f"{ep.question}\nReference answer: {ep.golden_answers[0]}"
-            prompt = tok(rollout.render_prompt(tok, hint), add_special_tokens=not chat)["input_ids"]
+            prompt = tok(protocol.render_prompt(tok, hint), add_special_tokens=not chat)["input_ids"]
             rows.append(prompt + ep.ids)
             offsets.append(len(prompt))
         teacher = logprobs.token_logprobs_rows(run.accel.unwrap_model(run.policy), rows, tok.pad_token_id,

@@ -1,5 +1,8 @@
-"""Speed benchmarks of the rollout engine and the update (issue 14): what a TWICE step costs, and where.
+"""Speed benchmarks of the keyed sampler, the generation engine and the update: what a TWICE step costs, and where.
 
+  python bench.py keyed   keyed Gumbel-max sampling (sampler.KeyedGumbelProcessor) against plain multinomial
+                          sampling and greedy, the same random Qwen2 through `model.generate`, CPU or GPU; --fused
+                          compiles the sampler (use on GPU), --reps repetitions, --threads torch CPU threads
   python bench.py cpu     old (the commit this branch started from) and new code interleaved on the demo: model
                           positions per generated token (rollout + twins) against the minimum, finished-row share
                           of decode row-steps (demo, and realistic turn lengths: median ~80, cap 250), demo step and
@@ -23,11 +26,59 @@ import torch
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+# --- keyed: keyed sampling against plain multinomial sampling, same model, batch and length ---
+def bench_overhead(vocab=32000, hidden=256, layers=4, batch=32, new_tokens=64, prompt_len=32, reps=5, fused=False,
+                   device=None) -> dict:
+    """Generation wall time of a random Qwen2 (no EOS: every row makes new_tokens tokens) with the keyed processor,
+    with do_sample=True multinomial sampling (T = 1, no top-k) and greedy; interleaved in one run so load changes hit
+    all three. Returns medians and the median per-repetition ratio keyed / plain."""
+    from transformers import GenerationConfig, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+    from sampler import KeyedGumbelProcessor, _signed, mix, turn_key
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                         tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).to(device).eval()
+    model.generation_config = GenerationConfig()
+    prompt = torch.randint(0, vocab, (batch, prompt_len), device=device)
+    keys = torch.tensor([_signed(turn_key(mix(0, b), 0)) for b in range(batch)], device=device)
+    common = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, pad_token_id=0)
+    runs = {"plain": lambda: model.generate(**common, do_sample=True, temperature=1.0, top_k=0, top_p=1.0),
+            "keyed": lambda: model.generate(**common, do_sample=False, logits_processor=LogitsProcessorList(
+                [KeyedGumbelProcessor(keys, prompt_len, fused=fused)])),
+            "greedy": lambda: model.generate(**common, do_sample=False)}  # what the model alone costs
+
+    def timed(name):
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = runs[name]()
+        sync()
+        assert out.shape[1] == prompt_len + new_tokens, "unequal lengths: the comparison would be unfair"
+        return time.perf_counter() - t0
+
+    for name in runs:
+        timed(name)  # warm-up (and compilation when fused)
+    times = {name: [] for name in runs}
+    for r in range(reps):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            times[name].append(timed(name))
+    ratio = [k / p for k, p in zip(times["keyed"], times["plain"])]
+    return {"vocab": vocab, "hidden": hidden, "layers": layers, "params": sum(p.numel() for p in model.parameters()),
+            "batch": batch, "new_tokens": new_tokens, "device": str(device), "fused": fused,
+            **{f"{name}_s": statistics.median(t) for name, t in times.items()}, "ratio": statistics.median(ratio),
+            "ratios": [round(x, 3) for x in ratio],
+            "vs_greedy": statistics.median(k / g for k, g in zip(times["keyed"], times["greedy"]))}
+
+
 # --- rollout cost: positions the model runs, and decode row-steps of finished rows ---
-def _reset():
-    import rollout
-    rollout.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
-    return rollout
+def _reset() -> dict:
+    """engine.COUNTS, zeroed."""
+    import engine
+    engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
+    return engine.COUNTS
 
 
 def minimum_positions(episodes, twins) -> int:
@@ -47,17 +98,19 @@ def minimum_positions(episodes, twins) -> int:
 def demo_rollout_cost(engine: str, world: str, prompts=16, group=5) -> dict:
     """One demo step's factual episodes (16 prompts x 5 lines) and a twin of every decision (j = 0)."""
     import eval as qa_eval
-    rollout = _reset()
+    from protocol import Protocol
+    from rollout import run_episodes, run_twins, start_episodes
+    counts = _reset()
     model, tok = qa_eval.load_policy(os.path.join(world, "policy"))
     retr = qa_eval.load_retriever(os.path.join(world, "index"))
     rows = qa_eval.load_qa(os.path.join(world, "train.jsonl"))[:prompts]
-    proto = rollout.Protocol(max_turns=4, max_new_tokens=40, max_obs_tokens=300, max_context=1024,
-                             gen_batch_size=128, engine=engine)
+    proto = Protocol(max_turns=4, max_new_tokens=40, max_obs_tokens=300, max_context=1024, gen_batch_size=128,
+                     engine=engine)
     t0 = time.perf_counter()
     with torch.no_grad():
-        eps = rollout.run_episodes(model, tok, retr, rollout.start_episodes(tok, rows, 0, 0, group), proto)
-        twins = rollout.run_twins(model, tok, retr, [(ep, t, 0) for ep in eps for t in range(len(ep.turns))], proto)
-    c = dict(rollout.COUNTS)
+        eps = run_episodes(model, tok, retr, start_episodes(tok, rows, 0, 0, group), proto)
+        twins = run_twins(model, tok, retr, [(ep, t, 0) for ep in eps for t in range(len(ep.turns))], proto)
+    c = dict(counts)
     return {"engine": engine, "s": time.perf_counter() - t0, "positions": c["positions"], "tokens": c["tokens"],
             "per_token": c["positions"] / c["tokens"], "minimum": minimum_positions(eps, twins) / c["tokens"],
             "head_only": c["head_only"] / c["tokens"], "padding": c["padding"] / c["tokens"],
@@ -70,7 +123,10 @@ def realistic_decode(engine: str, n=64, vocab=2048, median=80, cap=250, batch=64
     given median, cut at `cap` (Search-R1-like turns), through the demo's tokenizer."""
     import eval as qa_eval
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    rollout = _reset()
+    from engine import generate_turn
+    from protocol import Protocol
+    from rollout import start_episodes
+    counts = _reset()
     _, tok = qa_eval.load_policy(os.path.join(ROOT, "data/tinyworld/policy"))
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
@@ -84,10 +140,10 @@ def realistic_decode(engine: str, n=64, vocab=2048, median=80, cap=250, batch=64
     head.bias.data.copy_(bias)
     model.lm_head = head
     rows = [{"id": f"r{i}", "question": f"question {i}", "golden_answers": ["x"]} for i in range(n)]
-    proto = rollout.Protocol(max_new_tokens=cap, max_context=4096, gen_batch_size=batch, engine=engine)
+    proto = Protocol(max_new_tokens=cap, max_context=4096, gen_batch_size=batch, engine=engine)
     t0 = time.perf_counter()
-    gens = rollout.generate_turn(model, tok, rollout.start_episodes(tok, rows, 0, 0), proto)
-    c = dict(rollout.COUNTS)
+    gens = generate_turn(model, tok, start_episodes(tok, rows, 0, 0), proto)
+    c = dict(counts)
     lengths = sorted(len(g.ids) for g in gens)
     return {"engine": engine, "s": time.perf_counter() - t0, "finished_share": 1 - c["tokens"] / c["row_steps"],
             "median_len": lengths[len(lengths) // 2], "max_len": lengths[-1], "ids": [g.ids for g in gens]}
@@ -277,6 +333,17 @@ def per_gpu(preset: str) -> list:
     return ["--prompts_per_step=64"]
 
 
+def cmd_keyed(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for size in (dict(vocab=2048, hidden=64, layers=2, batch=80), dict(vocab=32000, hidden=256, layers=4, batch=32)):
+        r = bench_overhead(**size, reps=args.reps, fused=args.fused, device=args.device)
+        print(f"vocab {r['vocab']} | hidden {r['hidden']} x {r['layers']} | {r['params'] / 1e6:.1f}M params | batch "
+              f"{r['batch']} x {r['new_tokens']} tokens | {r['device']} fused={r['fused']} threads "
+              f"{torch.get_num_threads()} | plain {r['plain_s']:.3f}s keyed {r['keyed_s']:.3f}s greedy "
+              f"{r['greedy_s']:.3f}s | keyed/plain {r['ratio']:.3f} {r['ratios']} | keyed/greedy {r['vs_greedy']:.3f}")
+
+
 def cmd_gpu(args):
     if args.tiny:
         return [gpu_steps("tiny", "qwen2.5-3b.cfg", args.steps, ["--prompts_per_step=2", "--group_size=2",
@@ -302,6 +369,11 @@ def main(argv=None):
     cpu.add_argument("--steps", type=int, default=3, help="demo steps per run (the first is not timed)")
     cpu.add_argument("--rounds", type=int, default=2, help="old/new runs of each")
     cpu.add_argument("--parts", default="demo,rollout,realistic,memory", help="comma-separated subset to run")
+    keyed = sub.add_parser("keyed", help="keyed vs multinomial generation time (CPU or GPU)")
+    keyed.add_argument("--reps", type=int, default=5)
+    keyed.add_argument("--fused", action="store_true", help="torch.compile the keyed sampler")
+    keyed.add_argument("--device", default=None)
+    keyed.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     gpu = sub.add_parser("gpu", help="3B- and 7B-shaped random models, 3 TWICE steps each (bf16)")
     gpu.add_argument("--steps", type=int, default=3)
     gpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"), help="questions and retriever")
@@ -311,7 +383,7 @@ def main(argv=None):
         args.base = args.base or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], capture_output=True,
                                                 text=True, check=True).stdout.strip()
         return cmd_cpu(args)
-    return cmd_gpu(args)
+    return cmd_keyed(args) if args.cmd == "keyed" else cmd_gpu(args)
 
 
 if __name__ == "__main__":

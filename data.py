@@ -116,7 +116,7 @@ def _drop_empty_gold(rows: list, src: str) -> tuple:
     """(rows without gold answers that normalise to nothing, ids of the rows left with no answer at all).
     # DEVIATION D10: Search-R1 keeps gold answers such as "" or "A" (SQuAD normalisation drops articles), so an
     empty <answer></answer> scores 1.0 on them; eval.load_qa refuses them, so conversion removes them here."""
-    from rollout import normalize_answer
+    from protocol import normalize_answer
     kept, dropped, trimmed = [], [], 0
     for r in rows:
         gold = [g for g in r["golden_answers"] if normalize_answer(g)]

@@ -1,6 +1,6 @@
 """Evaluation of a search agent on QA sets: QA loading and validation, greedy episodes, EM per data source.
 
-The episodes are scored by rollout.py's reward (`extract_answer` + `exact_match` after SQuAD normalisation, DESIGN.md
+The episodes are scored by protocol.py's reward (`extract_answer` + `exact_match` after SQuAD normalisation, DESIGN.md
 section 3), the same function that scores training episodes, so the two cannot drift apart. The reward reads the
 agent's own sampled text only (DEVIATION R5); Search-R1's `qa_em.compute_score_em` reads prompt + response and skips
 the prompt's `<answer> Beijing </answer>` example by requiring two matches.
@@ -18,8 +18,9 @@ import string
 from dataclasses import dataclass
 
 import config
+import protocol
 import rollout
-from rollout import normalize_answer
+from protocol import normalize_answer
 
 QA_FIELDS = ("id", "question", "golden_answers", "data_source")
 
@@ -266,7 +267,7 @@ def main(cfg: Config):
         rows += load_qa(path)[:cfg.limit or None]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_policy(cfg.model, device, torch.bfloat16 if device == "cuda" else torch.float32)
-    proto = rollout.protocol_from(cfg, greedy=True)
+    proto = protocol.protocol_from(cfg, greedy=True)
     episodes = evaluate(model, tokenizer, load_retriever(cfg.index, cfg.retriever_url), rows, proto)
     per_source = summarize(rows, [ep.reward for ep in episodes])
     table = em_table(per_source)

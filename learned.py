@@ -25,6 +25,7 @@ import baselines
 import credit
 import logprobs
 import rollout
+import sampler
 from credit import as_array, group_index, grpo_advantages
 
 
@@ -98,9 +99,6 @@ class Estimator:
         self.opt.load_state_dict(state["opt"])
 
 
-ESTIMATOR_TAG = 0x657374  # "est": mini-batch order of the estimator's passes, independent of the actor's
-
-
 def _response_positions(episodes) -> list:
     """Per episode, the position (in collate's rows) of each turn's last sampled token: where the state-action
     (s_t, a_t) has been read, so a scorer's output there is a function of (s_t, a_t)."""
@@ -137,7 +135,8 @@ class _Learned(baselines.Method):
         critic). loss_sum(scores, rows) sums the loss of the given batch rows; norm(rows) is its normaliser."""
         cfg, losses = self.cfg, []
         for epoch in range(cfg.ppo_epochs):
-            order = np.random.default_rng(rollout.mix(cfg.seed, step, epoch, ESTIMATOR_TAG)).permutation(len(ids))
+            seed = sampler.mix(cfg.seed, step, epoch, sampler.ESTIMATOR_TAG)
+            order = np.random.default_rng(seed).permutation(len(ids))
             for mb in np.array_split(order, cfg.mini_batches):
                 mb = torch.as_tensor(mb)
                 losses.append(self.est.fit(run.accel, ids[mb], att[mb], lambda s, rows, mb=mb: loss_sum(s, mb[rows]),
@@ -316,7 +315,7 @@ class AgentPRM(_Learned):
             for t, turn in enumerate(ep.turns):
                 keys.append(np.asarray(ep.prompt_ids + ep.ids[:turn.end], dtype=np.int64).tobytes())
                 returns.append(cfg.gamma ** (len(ep.turns) - 1 - t) * ep.reward)
-        requests = [(ep, t, True, rollout.fresh_key(ep.key, rollout.MC_Q_TAG, t, k)) for ep in episodes
+        requests = [(ep, t, True, sampler.fresh_key(ep.key, sampler.MC_Q_TAG, t, k)) for ep in episodes
                     for t in range(len(ep.turns) - 1) for k in range(cfg.prm_rollouts)]
         branches = rollout.continue_from(run.accel.unwrap_model(run.policy), run.tok, run.retriever, requests,
                                          proto) if requests else []

@@ -57,8 +57,8 @@ import time
 import numpy as np
 
 from eval import write_jsonl
-from rollout import (INSTRUCTION, INVALID_ACTION_MSG, exact_match, information_block, render_prompt, reward,
-                     user_message)
+from protocol import (INSTRUCTION, INVALID_ACTION_MSG, exact_match, information_block, render_prompt, reward,
+                      user_message)
 
 
 # Scripted-demonstration probabilities (saved in world.json). Each row is one decision of the script.
@@ -579,7 +579,8 @@ def first_decisions(q, world, turns):
 def evaluate_policy(model, tok, retr, questions, world, group, seed, max_new):
     """Warm-start EM through rollout.run_episodes (the training code path): greedy (T = 0, one line per question, as
     the evaluation) and sampled (T = 1, `group` lines, as GRPO), and the sampled policy's decision frequencies."""
-    from rollout import Protocol, run_episodes, start_episodes
+    from protocol import Protocol
+    from rollout import run_episodes, start_episodes
     # scripted turns are < 40 tokens: a turn still open after `max_new` has failed; the cap bounds a weak policy's time
     greedy = run_episodes(model, tok, retr, start_episodes(tok, questions, seed, 0, 1),
                           Protocol(temperature=0.0, max_new_tokens=max_new))
@@ -874,7 +875,8 @@ def chains_episode(q, world, top, rng, perfect=False):
 def chains_warm_start(model, tok, retr, questions, group, seed, max_new):
     """Warm-start policy through rollout.run_episodes (the training path): greedy (T = 0, one line) and sampled
     (T = 1, `group` lines) EM overall and per hop count, mixed groups, turns and generated tokens per turn."""
-    from rollout import Protocol, run_episodes, start_episodes
+    from protocol import Protocol
+    from rollout import run_episodes, start_episodes
     def proto(temp):
         return Protocol(temperature=temp, max_new_tokens=max_new, gen_batch_size=128)
     greedy = run_episodes(model, tok, retr, start_episodes(tok, questions, seed, 0, 1), proto(0.0))
@@ -899,11 +901,13 @@ def oracle_share(model, tok, retr, episodes, rollouts, max_new):
     """Oracle A*(s_t, y_t) = Q - V of every decision of `episodes` from `rollouts` Monte Carlo continuations per side
     (rollout.continue_from, the audit's keys: fresh_key(key, MC_Q_TAG / MC_V_TAG, t, k)); the share of decisions
     with A* > 0 that sit in failed episodes: good decisions that GRPO's outcome-only credit punishes."""
+    import protocol
     import rollout
-    proto = rollout.Protocol(temperature=1.0, max_new_tokens=max_new, gen_batch_size=128)
+    import sampler
+    proto = protocol.Protocol(temperature=1.0, max_new_tokens=max_new, gen_batch_size=128)
     dec = [(ep, t) for ep in episodes for t in range(len(ep.turns))]
-    reqs = [(ep, t, inc, rollout.fresh_key(ep.key, tag, t, k)) for ep, t in dec
-            for inc, tag in ((True, rollout.MC_Q_TAG), (False, rollout.MC_V_TAG)) for k in range(rollouts)]
+    reqs = [(ep, t, inc, sampler.fresh_key(ep.key, tag, t, k)) for ep, t in dec
+            for inc, tag in ((True, sampler.MC_Q_TAG), (False, sampler.MC_V_TAG)) for k in range(rollouts)]
     u = np.array([e.reward for e in rollout.continue_from(model, tok, retr, reqs, proto)]).reshape(len(dec), 2, -1)
     a = u[:, 0].mean(1) - u[:, 1].mean(1)
     failed = np.array([ep.reward == 0 for ep, _ in dec])

@@ -4,7 +4,7 @@ Paper: "Same Luck, Different Choice: Twin-World Credit Assignment for Agentic Re
 Learning" (arXiv 2610.31544); reference design: DESIGN.md sections 5-6. One step, as the sections
 # 1. to # 7. of `train_step` (steps 2-6 in `twin_credit`):
 
-  1. G factual episodes per prompt, every token a keyed Gumbel-max draw (rollout.py):
+  1. G factual episodes per prompt, every token a keyed Gumbel-max draw (sampler.py):
      key = mix(seed, step, prompt_uid, line), noise u = U(key, turn, pos, token).
   2. Trajectory advantage (GRPO):  A_traj_i = (U_i - mean_group) / (std_group + eps)
   3. Budget rule:  q_t = clip(lambda sqrt(p_t / c_t), q_min, 1), lambda such that sum_t q_t c_t =
@@ -51,8 +51,10 @@ import credit
 import eval as qa_eval
 import logprobs
 import methods
+import protocol
 import report
 import rollout
+import sampler
 
 
 @dataclass
@@ -232,7 +234,7 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
     lengths = batch["attention_mask"].sum(1).cpu().numpy()
     grad_norms = []
     for epoch in range(cfg.ppo_epochs):
-        order = np.random.default_rng(rollout.mix(cfg.seed, step, epoch)).permutation(len(mask))
+        order = np.random.default_rng(sampler.mix(cfg.seed, step, epoch)).permutation(len(mask))
         for mb in np.array_split(order, cfg.mini_batches):
             n_tok = accel.reduce(mask[mb].sum(), "sum").clamp(min=1)  # the mini-batch's, all ranks
             for micro in logprobs.length_sorted_splits(lengths, mb, run.n_micro):  # little padding
@@ -273,7 +275,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     accel, times = run.accel, {"start": time.time()}
     policy = accel.unwrap_model(run.policy)
     policy.eval()
-    proto = rollout.protocol_from(cfg)
+    proto = protocol.protocol_from(cfg)
     with torch.no_grad(), accel.autocast():
         # 1. Factual episodes: G lines per prompt, every token a keyed Gumbel-max draw (a baseline's own rollout).
         prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, step, accel.process_index,
@@ -332,7 +334,7 @@ def twin_credit(cfg: Config, run: Run, step: int, episodes, batch, proto) -> tup
     decisions = rollout.decision_table(episodes, group_success)
     budget = credit.solve_budget(run.predictor.predict(decisions.features), decisions.cost,
                                  cfg.twin_budget * factual_tokens, cfg.q_min, cfg.budget_rule)
-    u = [rollout.branch_uniform(cfg.seed, step, episodes[i].uid, episodes[i].line, t) for i, t in decisions.index]
+    u = [sampler.branch_uniform(cfg.seed, step, episodes[i].uid, episodes[i].line, t) for i, t in decisions.index]
     branched = credit.branch_mask(budget.q, np.array(u))
 
     # 4. Twins of the branched decisions: y' at turn t, then the factual keys (same luck).
@@ -408,7 +410,7 @@ def run_eval(cfg, run, rows) -> dict:
     policy.eval()
     with torch.no_grad(), run.accel.autocast():
         return qa_eval.evaluate_on_ranks(run.accel, policy, run.tok, run.retriever, rows,
-                                         rollout.protocol_from(cfg, greedy=True), gather_list)
+                                         protocol.protocol_from(cfg, greedy=True), gather_list)
 
 
 def weights_spread(accel, model) -> float:

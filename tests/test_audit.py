@@ -21,13 +21,15 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import audit
+import engine
 import methods
+import protocol
 import rollout
 
 WORDS = ["[UNK]", "<|im_end|>", "<search>", "</search>", "<answer>", "</answer>", "a", "b", "c"]
 DOCS = {"A": '"A"\nthe answer is a', "B": '"B"\nthe answer is b', "C": '"C"\nnothing'}
 QUESTION = {"id": "q0", "question": "a or b", "golden_answers": ["a"]}
-PROTO = rollout.Protocol(max_turns=1, topk=2, max_new_tokens=3, max_obs_tokens=64, gen_batch_size=8192)
+PROTO = protocol.Protocol(max_turns=1, topk=2, max_new_tokens=3, max_obs_tokens=64, gen_batch_size=8192)
 R = 1500  # repeats of each sampled estimator: SE about 0.015 on credit in [-1, 1]
 
 
@@ -59,10 +61,10 @@ class FakeRetriever:
 def make_policy(seed=0):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_tokens([AddedToken(t, normalized=False) for t in (rollout.INSTRUCTION, rollout.INVALID_ACTION_MSG)])
+    tok.add_tokens([AddedToken(t, normalized=False) for t in (protocol.INSTRUCTION, protocol.INVALID_ACTION_MSG)])
     tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>",
                                   unk_token="[UNK]", clean_up_tokenization_spaces=False)
-    assert len(tok(rollout.user_message(QUESTION["question"]))["input_ids"]) == 5  # instruction as one token
+    assert len(tok(protocol.user_message(QUESTION["question"]))["input_ids"]) == 5  # instruction as one token
     ids = {w: tok.convert_tokens_to_ids(w) for w in WORDS}
     V = len(tok)
     g = torch.full((V, V), -math.inf)
@@ -108,7 +110,7 @@ def turn_laws(model, tok, states) -> list:
                 seq = ids + [int(v)]
                 text = tok.decode(seq, skip_special_tokens=False)
                 stop = v == tok.eos_token_id or len(seq) >= PROTO.max_new_tokens or \
-                    any(x in text for x in rollout.STOP_STRINGS)
+                    any(x in text for x in protocol.STOP_STRINGS)
                 (laws[s].append((seq, p * row[v])) if stop else grown.append((s, seq, p * row[v])))
         frontier = grown
     assert all(abs(sum(p for _, p in law) - 1) < 1e-9 for law in laws)
@@ -128,7 +130,7 @@ def exact_values(model, tok, retr, states) -> np.ndarray:
             children.append(clone(states[s]))
             owner.append(s)
             prob.append(p)
-            gens.append(rollout.Generation(ids, [0.0] * len(ids), [0.0] * len(ids), "enum", 0))
+            gens.append(engine.Generation(ids, [0.0] * len(ids), [0.0] * len(ids), "enum", 0))
     rollout.execute_turn(tok, retr, children, gens, PROTO)
     live = [c for c in children if not c.done]
     later = iter(exact_values(model, tok, retr, live) if live else [])
@@ -172,7 +174,7 @@ def test_keyed_sampler_law_equals_softmax(world):
     model, tok, retr, ep, _ = world
     n = 10_000
     eps = rollout.start_episodes(tok, [QUESTION], 7, 0, n)
-    gens = rollout.generate_turn(model, tok, eps, PROTO)
+    gens = engine.generate_turn(model, tok, eps, PROTO)
     probs = next_probs(model, [eps[0].prompt_ids])[0]
     counts = np.bincount([g.ids[0] for g in gens], minlength=len(probs))
     kept = probs > 0

@@ -14,7 +14,9 @@ import baselines
 import credit
 import eval as qa_eval
 import methods
+import protocol
 import rollout
+import sampler
 import train_twice as tt
 
 TINY = ["--prompts_per_step=2", "--group_size=3", "--max_new_tokens=24", "--max_obs_tokens=200", "--max_turns=2",
@@ -37,7 +39,7 @@ def fake_episode(uid, line, observations, reward):
     turns = [fake_turn("answer" if o is None else "search" if o != "invalid" else None,
                        o if isinstance(o, tuple) else (), o is not None, start=8 * t)
              for t, o in enumerate(observations)]
-    return rollout.Episode(uid=uid, line=line, key=rollout.mix(uid, line), question="q", golden_answers=["a"],
+    return rollout.Episode(uid=uid, line=line, key=sampler.mix(uid, line), question="q", golden_answers=["a"],
                            prompt_ids=[1], turns=turns, reward=float(reward), done=True)
 
 
@@ -84,7 +86,7 @@ def test_vineppo_is_the_mean_of_K_keyed_continuations_and_unbiased(monkeypatch):
     cfg = cfg_of("--vine_k=2")
     ep = fake_episode(5, 0, [("x",), ("y",), None], 1)
     p = [0.3, 0.6, 0.9]  # true V(s_0), V(s_1), V(s_2)
-    seeds = [rollout.fresh_key(ep.key, rollout.VINE_TAG, t, k) for t in range(3) for k in range(2)]
+    seeds = [sampler.fresh_key(ep.key, sampler.VINE_TAG, t, k) for t in range(3) for k in range(2)]
     run = SimpleNamespace(accel=SimpleNamespace(unwrap_model=lambda m: m), policy=None, tok=None, retriever=None)
     mean = np.zeros(3)
     for outcomes in itertools.product([0, 1], repeat=6):
@@ -152,7 +154,7 @@ def test_arpo_tree_budget_keys_and_prefix_credit(world_run):
     world, run, rows = world_run
     cfg = cfg_of("--group_size=5", "--arpo_tau=-1", "--arpo_beam=2", world=world)  # tau < alpha: every candidate fires
     method = baselines.ARPO(cfg)
-    episodes = method.rollout(run, 0, rows, rollout.protocol_from(cfg))
+    episodes = method.rollout(run, 0, rows, protocol.protocol_from(cfg))
     check_tree(method, episodes, 5, len(rows))
     for p in range(len(rows)):
         tree = episodes[5 * p:5 * p + 5]
@@ -161,16 +163,16 @@ def test_arpo_tree_budget_keys_and_prefix_credit(world_run):
             if ep.branch_turn is not None:  # fresh keys from the branch turn on, derived from the parent's key
                 t = ep.branch_turn
                 assert ep.turns[t - 1].doc_ids, "ARPO branches right after a tool observation"
-                assert ep.key_for(t) in {rollout.turn_key(rollout.fresh_key(ep.key, rollout.ARPO_TAG, t, z), t)
+                assert ep.key_for(t) in {sampler.turn_key(sampler.fresh_key(ep.key, sampler.ARPO_TAG, t, z), t)
                                          for z in range(2)}
-    assert method.rollout(run, 0, rows, rollout.protocol_from(cfg))[7].ids == episodes[7].ids  # reproducible
+    assert method.rollout(run, 0, rows, protocol.protocol_from(cfg))[7].ids == episodes[7].ids  # reproducible
 
 
 def test_tree_grpo_tree_budget_and_advantage(world_run):
     world, run, rows = world_run
     cfg = cfg_of("--group_size=5", "--tree_m=2", "--tree_l=2", world=world)
     method = baselines.TreeGRPO(cfg)
-    episodes = method.rollout(run, 0, rows, rollout.protocol_from(cfg))
+    episodes = method.rollout(run, 0, rows, protocol.protocol_from(cfg))
     check_tree(method, episodes, 5, len(rows))
     assert method.branches == 3 * len(rows)
     assert [ep.line for ep in episodes[:2]] == [0, 1]  # roots are GRPO's lines 0 and 1 (same keys)
@@ -186,7 +188,7 @@ def test_independent_twins_are_textbook(world_run):
     self-twins (the old, partly coupled ablation)."""
     world, run, rows = world_run
     cfg = cfg_of(world=world)
-    proto = rollout.protocol_from(cfg)
+    proto = protocol.protocol_from(cfg)
     eps = rollout.start_episodes(run.tok, rows, 0, 0, 3)
     rollout.run_episodes(run.policy, run.tok, run.retriever, eps, proto)
     requests = [(ep, t, 0) for ep in eps for t in range(len(ep.turns))]
@@ -196,9 +198,9 @@ def test_independent_twins_are_textbook(world_run):
     assert all(tw.diff == 0 and tw.outcome == ep.reward
                for (ep, _, _), tw in zip(requests, old) if tw.kind != "rollout")
     for (ep, t, j), tw in zip(requests, ind):
-        seed = rollout.fresh_key(ep.key, rollout.INDEPENDENT_TAG, t, j)
+        seed = sampler.fresh_key(ep.key, sampler.INDEPENDENT_TAG, t, j)
         assert [tw.twin.key_for(u) for u in range(t, len(tw.twin.turns))] == \
-               [rollout.turn_key(seed, u) for u in range(t, len(tw.twin.turns))]
+               [sampler.turn_key(seed, u) for u in range(t, len(tw.twin.turns))]
         assert tw.tokens == tw.twin.n_generated > 0 and tw.diff == ep.reward - tw.twin.reward
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import tinyworld
 from eval import read_jsonl
-from rollout import reward
+from protocol import reward
 
 SEED = 5
 

@@ -10,7 +10,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "*.py")))
-ORDER = ["config", "retriever", "credit", "rollout", "eval", "methods", "report", "checkpoint", "train_twice", "audit"]
+ORDER = ["config", "retriever", "protocol", "sampler", "engine", "credit", "rollout", "eval", "methods", "report",
+         "checkpoint", "train_twice", "audit"]
 
 
 def imports_of(module: str) -> set:
@@ -42,14 +43,14 @@ def test_no_import_cycle():
 
 
 def test_the_method_chain_imports_one_way():
-    """retriever, credit <- rollout <- eval <- train_twice <- audit: a module imports only those before it."""
+    """protocol, sampler <- engine <- rollout <- eval <- train_twice <- audit: a module imports only those before it."""
     for i, m in enumerate(ORDER):
         later = imports_of(m) & set(ORDER[i + 1:])
         assert not later, f"{m} imports {later}, which come after it in {ORDER}"
 
 
 @pytest.mark.parametrize("script", ["train_twice.py", "audit.py", "eval.py", "report.py", "tinyworld.py", "data.py",
-                                    "retriever.py", "server.py", "rollout.py"])
+                                    "retriever.py", "server.py"])
 def test_every_script_answers_help(script):
     for flag in ("--help", "-h"):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, script), flag], capture_output=True, text=True,

@@ -13,7 +13,9 @@ import credit
 import learned
 import logprobs
 import methods
+import protocol
 import rollout
+import sampler
 import train_twice as tt
 from test_train import read_metrics, tiny_cfg
 
@@ -52,7 +54,7 @@ def test_craft_token_weights_keep_the_turn_total():
 
 def episode(line, ids, turns, reward, prompt=(5, 5)):
     """An Episode with given response ids and turns (start, end, obs_end, action), a finished outcome."""
-    ep = rollout.Episode(uid=1, line=line, key=rollout.episode_key(0, 0, 1, line), question="Who?",
+    ep = rollout.Episode(uid=1, line=line, key=sampler.episode_key(0, 0, 1, line), question="Who?",
                          golden_answers=["Forvamouth"], prompt_ids=list(prompt))
     ep.ids, ep.mask = list(ids), [1] * len(ids)
     for start, end, obs_end, action in turns:
@@ -105,7 +107,7 @@ def test_agentprm_targets_average_mc_continuations_and_shared_prefixes(monkeypat
     def fake_continue(model, tok, retriever, requests, proto):
         out = []
         for ep, t, inc, seed in requests:
-            assert inc and seed == rollout.fresh_key(ep.key, rollout.MC_Q_TAG, t, 0)
+            assert inc and seed == sampler.fresh_key(ep.key, sampler.MC_Q_TAG, t, 0)
             br = rollout.branch(ep, t, include_turn=True, fresh_seed=seed)
             br.turns.append(ep.turns[-1])
             br.reward, br.n_generated = mc[ep.key], 3
@@ -128,7 +130,7 @@ def tiny_run(tiny_world, tmp_path_factory):
     cfg = tiny_cfg(tiny_world, str(tmp_path_factory.mktemp("est")), "--lr=2e-4")  # estimators: 2e-3
     cfg.resolve()
     run = tt.setup(cfg)
-    proto = rollout.protocol_from(cfg)
+    proto = protocol.protocol_from(cfg)
     with torch.no_grad():
         prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, 0)
         episodes = baselines.Method(cfg).rollout(run, 0, prompts, proto)

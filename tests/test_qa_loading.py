@@ -10,7 +10,7 @@ import pytest
 
 import data
 import eval as qa_eval
-import rollout
+import protocol
 
 # A good QA file with what real ones hold: int and str ids, a gold answer as a bare string, non-ASCII text, an
 # emoji (json.dumps writes it as a surrogate pair escape), extra fields (FlashRAG metadata), blank lines between rows.
@@ -72,7 +72,7 @@ def test_a_good_parquet_file_loads_as_the_hand_written_loader_loaded_it(tmp_path
 @pytest.mark.parametrize("gold", [[""], ["The"], ["Ossel", "a"], [" . "]])
 def test_a_gold_answer_that_normalises_to_nothing_is_refused_with_file_line(tmp_path, gold):
     """An empty <answer></answer> would score 1.0 against it (issue 10 item 6)."""
-    assert rollout.reward("<answer></answer>", gold) == 1.0  # why it must not reach training
+    assert protocol.reward("<answer></answer>", gold) == 1.0  # why it must not reach training
     path = _jsonl(tmp_path / "qa.jsonl", [_row(), "", _row(gold=gold, rid=8)])
     with pytest.raises(ValueError, match=rf"qa.jsonl:3: golden answer\(s\) .* normalise to an empty string.*"
                                          r"remove them from 'golden_answers'"):

@@ -19,9 +19,9 @@ import torch
 
 import data
 import eval as qa_eval
+import protocol
 import report
 import retriever
-import rollout
 import train_twice as tt
 from server import start_server
 
@@ -433,9 +433,9 @@ def test_one_training_step_with_qwen_bpe_and_the_3b_preset(hub, qwen_tiny, tmp_p
     3B preset (sizes shrunk, bf16 off on CPU) with a tiny Qwen2 model and the real Qwen2.5 BPE vocabulary."""
     qwen_dir, tok = qwen_tiny
     assert tok("Hello world").input_ids == [9707, 1879] and len(tok) == 151646  # Qwen2.5's ids
-    prompt = rollout.render_prompt(tok, "what is the capital of Kelora")
+    prompt = protocol.render_prompt(tok, "what is the capital of Kelora")
     assert prompt.startswith("<|im_start|>system\nYou are Qwen") and prompt.endswith("<|im_start|>assistant\n")
-    assert rollout.INSTRUCTION in prompt and "Question: what is the capital of Kelora?\n" in prompt
+    assert protocol.INSTRUCTION in prompt and "Question: what is the capital of Kelora?\n" in prompt
 
     out = str(tmp_path / "sr1")
     fake = FakeHub(hub[0])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import retriever as R
-from rollout import information_block
+from protocol import information_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST = ("Amber Bronze Cedar Dusky Ember Frost Granite Hazel Ivory Jade Kestrel Linen Maple Nimbus Onyx Pearl Quartz "

@@ -7,11 +7,13 @@ import torch
 from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_model, word_tok  # noqa: F401
 
 import bench
+import engine
 import eval as qa_eval
 import logprobs
 import rollout
+import sampler
 import train_twice as tt
-from rollout import Protocol
+from protocol import Protocol
 
 
 def full_logprobs(model, ids, mask, temperature):
@@ -66,9 +68,9 @@ def test_chunked_logprobs_memory_is_bounded():
 
 def run_both(word_tok, word_model, proto_kw, n=8, group=3):  # noqa: F811
     out = {}
-    for engine in ("generate", "cached"):
-        proto = Protocol(engine=engine, **proto_kw)
-        rollout.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
+    for kind in ("generate", "cached"):
+        proto = Protocol(engine=kind, **proto_kw)
+        engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
         eps = rollout.run_episodes(word_model, word_tok, FakeRetriever(),
                                    rollout.start_episodes(word_tok, questions(n), 4, 2, group), proto)
         requests = [(ep, t, j) for ep in eps for t in range(len(ep.turns)) for j in range(2)]
@@ -76,9 +78,9 @@ def run_both(word_tok, word_model, proto_kw, n=8, group=3):  # noqa: F811
         free = rollout.run_twins(word_model, word_tok, FakeRetriever(), requests[::3], proto, coupling=False)
         ep = max(eps, key=lambda e: len(e.turns))
         mc = rollout.continue_from(word_model, word_tok, FakeRetriever(),
-                                   [(ep, 1, inc, rollout.fresh_key(ep.key, 9, k)) for inc in (0, 1) for k in range(2)],
+                                   [(ep, 1, inc, sampler.fresh_key(ep.key, 9, k)) for inc in (0, 1) for k in range(2)],
                                    proto)
-        out[engine] = (eps + [r.twin for r in twins + free] + mc, [r.kind for r in twins + free], dict(rollout.COUNTS))
+        out[kind] = (eps + [r.twin for r in twins + free] + mc, [r.kind for r in twins + free], dict(engine.COUNTS))
     return out
 
 
@@ -103,11 +105,11 @@ def test_cached_engine_samples_the_plain_paths_episodes(word_tok, word_model, ba
 
 def test_cached_engine_prefills_a_shared_prompt_once(word_tok, word_model):  # noqa: F811
     proto = Protocol(max_turns=0, max_new_tokens=1)
-    rollout.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
+    engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
     eps = rollout.start_episodes(word_tok, questions(1), 0, 0, group_size=5)
-    rollout.generate_turn(word_model, word_tok, eps, proto)
+    engine.generate_turn(word_model, word_tok, eps, proto)
     # the prompt once, and its last token once for all five rows (identical sequences share a physical row)
-    assert rollout.COUNTS["positions"] == len(eps[0].prompt_ids) and rollout.COUNTS["row_steps"] == 5
+    assert engine.COUNTS["positions"] == len(eps[0].prompt_ids) and engine.COUNTS["row_steps"] == 5
     assert len({id(ep._kv.kv[0][0]) for ep in eps}) == 5  # each row's own cache after its turn
 
 
@@ -116,10 +118,10 @@ def test_twins_read_repeated_tokens_off_the_parent_cache(word_tok, word_model): 
     proto = Protocol(max_turns=1, max_new_tokens=6, temperature=0.05)  # near-greedy: alternatives repeat
     eps = rollout.run_episodes(word_model, word_tok, FakeRetriever(),
                                rollout.start_episodes(word_tok, questions(4), 0, 0), proto)
-    rollout.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
+    engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
     results = rollout.run_twins(word_model, word_tok, FakeRetriever(), [(ep, 0, 0) for ep in eps], proto)
     selfs = [r for r in results if r.kind == "self"]
-    assert selfs and rollout.COUNTS["head_only"] >= sum(r.tokens for r in selfs)
+    assert selfs and engine.COUNTS["head_only"] >= sum(r.tokens for r in selfs)
 
 
 def test_bench_gpu_runs_at_a_tiny_size(tiny_world, capsys):
@@ -148,7 +150,7 @@ def test_cached_engine_keeps_a_subclass_forward(word_tok):  # noqa: F811
     bias = torch.zeros(len(word_tok))
     bias[word_tok.convert_tokens_to_ids("paris")] = 4.0
     model.register_buffer("bias", bias)
-    assert not rollout._can_track(model) and rollout._can_track(base)
+    assert not engine._can_track(model) and engine._can_track(base)
     out = run_both(word_tok, model, dict(max_turns=1, max_new_tokens=8, gen_batch_size=7), n=4, group=2)
     assert [ep.ids for ep in out["generate"][0]] == [ep.ids for ep in out["cached"][0]]
     assert out["cached"][2]["head_only"] == 0

@@ -8,8 +8,7 @@ import torch
 
 import tinyworld
 from eval import load_qa
-from rollout import reward
-from rollout import INVALID_ACTION_MSG, information_block, render_prompt
+from protocol import INVALID_ACTION_MSG, information_block, render_prompt, reward
 
 SEED = 3
 
