@@ -58,7 +58,7 @@ class Config(methods.Knobs):
     """Every knob of a run (DESIGN.md sections 3-6), paper defaults; the baselines' own
     knobs (vine_k, gamma, ...) are inherited from methods.Knobs."""
     # --- io ---
-    world: str = "data/tinyworld"   # world folder (tinyworld.py): fills the blank paths below
+    world: str = "data/tinyworld"   # world folder (world.py): fills the blank paths below
     model: str = ""                 # initial policy and reference: hub id or folder
     train_data: str = ""            # QA .jsonl/.parquet (id, question, golden_answers, data_source)
     eval_data: str = ""             # comma-separated QA files for periodic greedy evaluation

@@ -48,7 +48,7 @@ def test_the_method_chain_imports_one_way():
         assert not later, f"{m} imports {later}, which come after it in {ORDER}"
 
 
-@pytest.mark.parametrize("script", ["train_twice.py", "audit.py", "eval.py", "report.py", "tinyworld.py", "data.py",
+@pytest.mark.parametrize("script", ["train_twice.py", "audit.py", "eval.py", "report.py", "world.py", "data.py",
                                     "retriever.py", "rollout.py"])
 def test_every_script_answers_help(script):
     for flag in ("--help", "-h"):
