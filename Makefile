@@ -30,7 +30,7 @@ PRESET  ?= tiny
 world: install $(WORLD)/world.json
 
 $(WORLD)/world.json:
-	$(PY) tinyworld.py --out $(WORLD) --seed $(SEED) --preset $(PRESET)
+	$(PY) world.py --out $(WORLD) --seed $(SEED) --preset $(PRESET)
 
 # Rebuild only the tiny world's dense index (e.g. after editing the corpus).
 index: install

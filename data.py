@@ -1,9 +1,9 @@
-"""Preparation of the real datasets (DESIGN.md section 10); the built-in worlds are tinyworld.py.
+"""Preparation of the real datasets (DESIGN.md section 10); the built-in worlds are world.py's.
 
 Real datasets (`searchr1`, DESIGN.md section 10; `make reproduce-3b` runs it): Search-R1's NQ + HotpotQA training
 set, the seven FlashRAG test sets, wiki-18 and its prebuilt E5 flat index from the Hugging Face hub (downloaded by
 huggingface_hub.hf_hub_download at a pinned commit, then checked against the hub's checksums), converted to the QA
-schema of tinyworld.py (`id`, `question`, `golden_answers`, `data_source`); see the comment above SR1_TRAIN. A rerun
+schema of world.py (`id`, `question`, `golden_answers`, `data_source`); see the comment above SR1_TRAIN. A rerun
 skips every finished step and file; a transfer that breaks is continued from where it stopped inside
 hf_hub_download, but a file whose download was abandoned (process killed, every retry failed) starts over.
 DEVIATION D1: training-time evaluation uses val.jsonl (100 questions per test set); final policies are scored on every

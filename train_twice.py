@@ -61,7 +61,7 @@ import sampler
 class Config:
     """Every knob of a run (DESIGN.md sections 3-7), paper defaults."""
     # --- io ---
-    world: str = "data/tinyworld"   # world folder (tinyworld.py): fills the blank paths below
+    world: str = "data/tinyworld"   # world folder (world.py): fills the blank paths below
     model: str = ""                 # initial policy and reference: hub id or folder
     train_data: str = ""            # QA .jsonl/.parquet (id, question, golden_answers, data_source)
     eval_data: str = ""             # comma-separated QA files for periodic greedy evaluation

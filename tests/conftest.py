@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory):
     """The built-in tiny world at test scale (same files and formats as `make world`), built once per session."""
-    import tinyworld
+    import world
     out = tmp_path_factory.mktemp("tinyworld") / "world"
-    tinyworld.build_tinyworld(str(out), seed=0, scale="test")
+    world.build_world(str(out), seed=0, scale="test")
     return str(out)

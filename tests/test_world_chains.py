@@ -1,4 +1,4 @@
-"""Tests for the chains world (tinyworld.py --preset chains, issue 11): one test-scale world is built once through the
+"""Tests for world_chains.py (world.py --preset chains): one test-scale chains world is built once through the
 CLI and checked for determinism, solvability by the perfect script, and chains reachable by searching entity names."""
 import json
 import os
@@ -6,7 +6,9 @@ import re
 
 import pytest
 
-import tinyworld
+import world
+import world_base
+import world_chains
 from eval import read_jsonl
 from protocol import reward
 
@@ -16,7 +18,7 @@ SEED = 5
 @pytest.fixture(scope="module")
 def world_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("chains") / "world"
-    tinyworld.main(["--out", str(out), "--seed", str(SEED), "--preset", "chains", "--scale", "test"])
+    world.main(["--out", str(out), "--seed", str(SEED), "--preset", "chains", "--scale", "test"])
     return str(out)
 
 
@@ -26,8 +28,8 @@ def built(world_dir):
     with open(os.path.join(world_dir, "world.json")) as f:
         blob = json.load(f)
     retr = retriever.DenseRetriever(os.path.join(world_dir, "index"))
-    names = tinyworld.entity_names(blob["world"])
-    top = dict(zip(names, retr.search(names, topk=tinyworld.TOPK)))
+    names = world_base.entity_names(blob["world"])
+    top = dict(zip(names, retr.search(names, topk=world_base.TOPK)))
     rows = {s: [r for _, r in read_jsonl(os.path.join(world_dir, f"{s}.jsonl"))] for s in ("train", "test")}
     return {"world": blob["world"], "stats": blob["stats"], "top": top, "rows": rows}
 
@@ -39,9 +41,9 @@ def test_files_and_question_mix(world_dir, built):
         assert {r["data_source"] for r in rows} == {f"chains_{h}hop" for h in (1, 2, 3, 4)}
         assert built["stats"]["questions_per_hop"][split]["4"] == sum(r["metadata"]["hops"] == 4 for r in rows)
     # the full-scale world (no build needed for its questions): at least 30% of the questions need 4 searches
-    full = tinyworld.make_chains_world(0, "full")
+    full = world_chains.make_chains_world(0, "full")
     for split in ("train", "test"):
-        rows = tinyworld.question_rows(full, split)
+        rows = world_chains.chains_question_rows(full, split)
         assert sum(r["metadata"]["hops"] == 4 for r in rows) / len(rows) >= 0.3
 
 
@@ -59,10 +61,10 @@ def test_every_chain_is_reachable_by_searching_entity_names(built):
     for r in built["rows"]["train"] + built["rows"]["test"]:
         name, chain = r["metadata"]["subject"], r["metadata"]["chain"]
         assert len(chain) == r["metadata"]["hops"] and chain[-1] == r["golden_answers"][0]
-        for rel, value in zip(tinyworld.CHAIN_RELS, chain):
+        for rel, value in zip(world_chains.CHAIN_RELS, chain):
             doc = top[name][0]
-            assert tinyworld.doc_title(doc) == name
-            first = tinyworld.CHAIN_DOC[rel].split(". ")[0].format(name, value)
+            assert world_base.doc_title(doc) == name
+            first = world_chains.CHAIN_DOC[rel].split(". ")[0].format(name, value)
             assert doc["contents"].split("\n")[1].startswith(first + ". ")
             assert value not in re.findall(r"\w+", r["question"])
             name = value
@@ -73,35 +75,35 @@ def test_lookalikes_and_neighbours_point_down_wrong_chains(built):
     world, top = built["world"], built["top"]
     look = world["lookalike"]
     for a, b in look.items():
-        assert look[b] == a and a != b and tinyworld.doc_title(top[b][0]) == b  # the distractor really is retrieved
-        rels = tinyworld.CHAIN_RELS[tinyworld.CHAIN_RELS.index(tinyworld.chain_rel(world, a)):]
-        assert all(x != y for x, y in zip(tinyworld.chain_of(world, a, rels), tinyworld.chain_of(world, b, rels)))
+        assert look[b] == a and a != b and world_base.doc_title(top[b][0]) == b  # the distractor really is retrieved
+        rels = world_chains.CHAIN_RELS[world_chains.CHAIN_RELS.index(world_chains.chain_rel(world, a)):]
+        assert all(x != y for x, y in zip(world_chains.chain_of(world, a, rels), world_chains.chain_of(world, b, rels)))
     for n, m in world["neighbour"].items():  # every document names a second entity with a different fact
-        rel = tinyworld.chain_rel(world, n)
-        assert m != n and tinyworld.relation(world, m, rel) != tinyworld.relation(world, n, rel)
+        rel = world_chains.chain_rel(world, n)
+        assert m != n and world_base.relation(world, m, rel) != world_base.relation(world, n, rel)
         assert f" {m}," in top[n][0]["contents"]
 
 
 def test_perfect_script_solves_every_question_with_one_search_per_hop(built):
     world, top = built["world"], built["top"]
     rows = built["rows"]["train"] + built["rows"]["test"]
-    assert tinyworld.scripted_em(world, rows, top, 0, perfect=True) == 1.0
+    assert world_base.scripted_em(world_chains.chains_episode, world, rows, top, 0, perfect=True) == 1.0
     assert built["stats"]["scripted_em"]["test"]["perfect"] == 1.0
-    rng = tinyworld.make_rng(0, 7)
+    rng = world_base.make_rng(0, 7)
     for r in rows:
-        turns, _ = tinyworld.scripted_episode(r, world, top, rng, perfect=True)
-        assert len(turns) == r["metadata"]["hops"] + 1 <= tinyworld.MAX_SEARCHES + 1
+        turns, _ = world_chains.chains_episode(r, world, top, rng, perfect=True)
+        assert len(turns) == r["metadata"]["hops"] + 1 <= world_base.MAX_SEARCHES + 1
         assert all(t.endswith("</search>") for t, _ in turns[:-1]) and turns[-1][0].endswith("</answer>")
-        assert reward(tinyworld.episode_response(turns), r["golden_answers"]) == 1.0
+        assert reward(world_base.episode_response(turns), r["golden_answers"]) == 1.0
 
 
 def test_imperfect_script_makes_each_mistake_and_fails_more(built):
     world, top = built["world"], built["top"]
     rows = (built["rows"]["train"] + built["rows"]["test"]) * 20
-    assert tinyworld.scripted_em(world, rows, top, 0, perfect=False) < 0.6
-    rng, picks = tinyworld.make_rng(0, 8), set()
+    assert world_base.scripted_em(world_chains.chains_episode, world, rows, top, 0, perfect=False) < 0.6
+    rng, picks = world_base.make_rng(0, 8), set()
     for r in rows:
-        picks |= set(tinyworld.scripted_episode(r, world, top, rng)[1])
+        picks |= set(world_chains.chains_episode(r, world, top, rng)[1])
     for mistake in (("search", "lookalike"), ("read", "misread"), ("bridge", "answer_early"),
                     ("last_bridge", "stop_short"), ("after_lookalike", "trust"), ("after_lookalike", "notice")):
         assert mistake in picks
@@ -111,12 +113,12 @@ def test_think_blocks_vary_and_names_are_single_tokens(built, world_dir):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(os.path.join(world_dir, "policy"))
     world, top = built["world"], built["top"]
-    for name in tinyworld.entity_names(world):
+    for name in world_base.entity_names(world):
         assert len(tok(" " + name, add_special_tokens=False)["input_ids"]) == 1, name
     lengths = []
-    rng = tinyworld.make_rng(0, 9)
+    rng = world_base.make_rng(0, 9)
     for r in built["rows"]["train"]:
-        for text, _ in tinyworld.scripted_episode(r, world, top, rng)[0]:
+        for text, _ in world_chains.chains_episode(r, world, top, rng)[0]:
             ids = tok(text, add_special_tokens=False)["input_ids"]
             assert tok.decode(ids) == text
             lengths.append(len(ids))
@@ -132,31 +134,26 @@ def test_stats_fields(built):
 
 def test_world_is_deterministic_in_the_seed():
     def dump(seed):
-        world = tinyworld.make_chains_world(seed, "test")
-        return json.dumps([tinyworld.corpus_rows(world), tinyworld.question_rows(world, "train"),
-                           tinyworld.question_rows(world, "test")])
+        world = world_chains.make_chains_world(seed, "test")
+        return json.dumps([world_chains.chains_corpus_rows(world), world_chains.chains_question_rows(world, "train"),
+                           world_chains.chains_question_rows(world, "test")])
     assert dump(SEED) == dump(SEED)
     assert dump(SEED) != dump(SEED + 1)
 
 
 def test_rebuild_is_bit_for_bit_identical(world_dir, tmp_path):
     again = str(tmp_path / "again")
-    tinyworld.build_tinyworld(again, seed=SEED, scale="test", preset="chains")
-    assert tinyworld.differing_files(world_dir, again) == []
+    world.build_world(again, seed=SEED, scale="test", preset="chains")
+    assert world.differing_files(world_dir, again) == []
     with open(os.path.join(world_dir, "world.json")) as f, open(os.path.join(again, "world.json")) as g:
         a, b = json.load(f), json.load(g)
     assert a["world"] == b["world"] and a["stats"]["warm_start"] == b["stats"]["warm_start"]
 
 
-def test_unknown_preset_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="preset"):
-        tinyworld.build_tinyworld(str(tmp_path / "w"), scale="test", preset="nope")
-
-
 def test_stop_calibration_covers_every_decision_position(world_dir, built, capsys):
-    """`tinyworld.py --calibration`: one row per (hops, decision kind, position) of the scripted perfect episodes,
+    """`world.py --calibration`: one row per (hops, decision kind, position) of the scripted perfect episodes,
     counting every question once, with probabilities in [0, 1] and the script's own probability beside them."""
-    tinyworld.main(["--calibration", world_dir, "--seed", str(SEED)])
+    world.main(["--calibration", world_dir, "--seed", str(SEED)])
     out = capsys.readouterr().out
     cal = json.loads(out[out.find("{"):])
     test = built["rows"]["test"]
@@ -167,7 +164,7 @@ def test_stop_calibration_covers_every_decision_position(world_dir, built, capsy
         hops = int(key[0])
         assert row["n"] == sum(q["metadata"]["hops"] == hops for q in test)
         assert 0.0 <= row["p_stop"] <= 1.0
-        probs = tinyworld.CHAIN_PROBS
+        probs = world_chains.CHAIN_PROBS
         script = {"answer": 1.0, "last_bridge": probs["last_bridge"]["stop_short"],
                   "bridge": probs["bridge"]["answer_early"]}
         assert row["script"] == script[key.split("/")[1].split("@")[0]]
@@ -178,4 +175,4 @@ def test_calibration_refuses_a_tiny_world(tmp_path):
     d.mkdir()
     (d / "world.json").write_text(json.dumps({"world": {"preset": "tiny"}, "stats": {}}))
     with pytest.raises(ValueError, match="not a chains world"):
-        tinyworld.stop_calibration(str(d))
+        world_chains.stop_calibration(str(d))

@@ -1,4 +1,4 @@
-"""Tests for tinyworld.py's tiny world: one test-scale world is built once (CLI path) and checked file by file."""
+"""Tests for world.py and world_tiny.py: one test-scale tiny world is built once (CLI path) and checked file by file."""
 import json
 import os
 import re
@@ -6,9 +6,12 @@ import re
 import pytest
 import torch
 
-import tinyworld
+import world
+import world_base
+import world_tiny
 from eval import load_qa
 from protocol import INVALID_ACTION_MSG, information_block, render_prompt, reward
+from world import bc_loss, common_prefix, pad_batch
 
 SEED = 3
 
@@ -16,7 +19,7 @@ SEED = 3
 @pytest.fixture(scope="module")
 def world_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tw") / "world"
-    tinyworld.main(["--out", str(out), "--seed", str(SEED), "--scale", "test"])
+    world.main(["--out", str(out), "--seed", str(SEED), "--scale", "test"])
     return str(out)
 
 
@@ -29,8 +32,8 @@ def built(world_dir):
     tok = AutoTokenizer.from_pretrained(os.path.join(world_dir, "policy"))
     model = AutoModelForCausalLM.from_pretrained(os.path.join(world_dir, "policy"))
     retr = retriever.DenseRetriever(os.path.join(world_dir, "index"))
-    names = tinyworld.entity_names(blob["world"])
-    top = dict(zip(names, retr.search(names, topk=tinyworld.TOPK)))
+    names = world_base.entity_names(blob["world"])
+    top = dict(zip(names, retr.search(names, topk=world_base.TOPK)))
     return {"world": blob["world"], "stats": blob["stats"], "tok": tok, "model": model, "retr": retr, "top": top}
 
 
@@ -47,7 +50,7 @@ def test_files_and_schemas(world_dir, built):
     for r in corpus:  # wiki-18: '"Title"\ntext'
         title, text = r["contents"].split("\n")
         assert title.startswith('"') and title.endswith('"') and text.startswith(title.strip('"') + " ")
-    assert len(corpus) == len(tinyworld.entity_names(built["world"])) == built["stats"]["corpus_docs"]
+    assert len(corpus) == len(world_base.entity_names(built["world"])) == built["stats"]["corpus_docs"]
     for split in ("train", "test"):
         rows = load_qa(os.path.join(world_dir, f"{split}.jsonl"))
         assert rows and {r["data_source"] for r in rows} == {"tiny_1hop", "tiny_2hop"}
@@ -56,13 +59,13 @@ def test_files_and_schemas(world_dir, built):
 
 def test_names_are_single_tokens_and_round_trip(built):
     tok, world = built["tok"], built["world"]
-    for name in tinyworld.entity_names(world):
+    for name in world_base.entity_names(world):
         assert len(tok(" " + name, add_special_tokens=False)["input_ids"]) == 1, name
         assert len(tok(name, add_special_tokens=False)["input_ids"]) == 1, name  # the title form, after a quote
-    q = tinyworld.question_rows(world, "train")[0]
+    q = world_tiny.question_rows(world, "train")[0]
     texts = [render_prompt(tok, q["question"]), INVALID_ACTION_MSG]
-    texts += [information_block(tinyworld.docs_text(docs)) for docs in built["top"].values()]
-    turns, _ = tinyworld.scripted_episode(q, world, built["top"], tinyworld.make_rng(0, 9))
+    texts += [information_block(world_base.docs_text(docs)) for docs in built["top"].values()]
+    turns, _ = world_tiny.scripted_episode(q, world, built["top"], world_base.make_rng(0, 9))
     texts += [t for t, _ in turns]
     for text in texts:
         ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -74,7 +77,7 @@ def test_chat_template_and_tags(built):
     prompt = render_prompt(tok, "Where was X born")
     assert prompt.startswith("<|im_start|>user\nAnswer the given question.")
     assert prompt.endswith("Question: Where was X born?\n<|im_end|>\n<|im_start|>assistant\n")
-    for tag in tinyworld.TAGS:  # added tokens that decode as text, as in Qwen2.5
+    for tag in world_base.TAGS:  # added tokens that decode as text, as in Qwen2.5
         ids = tok(tag, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1 and tok.decode(ids, skip_special_tokens=True) == tag
     assert tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"
@@ -85,7 +88,7 @@ def test_lookalike_is_retrieved_and_misleads(built):
     for name, person in world["people"].items():
         look = person["lookalike"]
         assert world["people"][look]["lookalike"] == name
-        assert tinyworld.doc_title(top[look][0]) == look  # searching the look-alike really returns its own document
+        assert world_base.doc_title(top[look][0]) == look  # searching the look-alike really returns its own document
         other = world["people"][look]
         assert other["born"] != person["born"] and other["works"] != person["works"]
         assert world["cities"][other["born"]] != world["cities"][person["born"]]
@@ -94,7 +97,7 @@ def test_lookalike_is_retrieved_and_misleads(built):
 
 def test_answers_need_the_stated_hops(world_dir, built):
     world = built["world"]
-    docs = {tinyworld.doc_title(r): set(re.findall(r"\w+", r["contents"]))
+    docs = {world_base.doc_title(r): set(re.findall(r"\w+", r["contents"]))
             for r in read_jsonl(os.path.join(world_dir, "corpus.jsonl"))}
     for split in ("train", "test"):
         for q in read_jsonl(os.path.join(world_dir, f"{split}.jsonl")):
@@ -116,9 +119,9 @@ def test_train_test_subjects_disjoint(world_dir):
 
 def test_world_is_deterministic_in_the_seed():
     def dump(seed):
-        world = tinyworld.make_world(seed, "test")
-        return json.dumps([tinyworld.corpus_rows(world), tinyworld.question_rows(world, "train"),
-                           tinyworld.question_rows(world, "test")])
+        world = world_tiny.make_world(seed, "test")
+        return json.dumps([world_tiny.corpus_rows(world), world_tiny.question_rows(world, "train"),
+                           world_tiny.question_rows(world, "test")])
     assert dump(SEED) == dump(SEED)
     assert dump(SEED) != dump(SEED + 1)
 
@@ -126,15 +129,15 @@ def test_world_is_deterministic_in_the_seed():
 def test_rebuild_is_bit_for_bit_identical(world_dir, tmp_path):
     """The same seed rebuilds the same world: data files, index vectors and behaviour-cloned weights, byte for byte."""
     again = str(tmp_path / "again")
-    tinyworld.build_tinyworld(again, seed=SEED, scale="test")
-    assert tinyworld.differing_files(world_dir, again) == []
+    world.build_world(again, seed=SEED, scale="test")
+    assert world.differing_files(world_dir, again) == []
 
 
 def test_perfect_script_scores_one_and_imperfect_less(built, world_dir):
     world, top = built["world"], built["top"]
     rows = read_jsonl(os.path.join(world_dir, "train.jsonl")) + read_jsonl(os.path.join(world_dir, "test.jsonl"))
-    assert tinyworld.scripted_em(world, rows, top, 0, perfect=True) == 1.0
-    assert tinyworld.scripted_em(world, rows * 5, top, 0, perfect=False) < 0.9
+    assert world_base.scripted_em(world_tiny.scripted_episode, world, rows, top, 0, perfect=True) == 1.0
+    assert world_base.scripted_em(world_tiny.scripted_episode, world, rows * 5, top, 0, perfect=False) < 0.9
     assert built["stats"]["scripted_em"]["test"]["perfect"] == 1.0
 
 
@@ -147,27 +150,27 @@ def test_policy_loads_and_bc_loss_decreased(built):
 
 def test_demo_mask_is_zero_on_prompt_and_observations(built):
     tok, world, top = built["tok"], built["world"], built["top"]
-    q = next(q for q in tinyworld.question_rows(world, "train") if q["data_source"] == "tiny_2hop")
-    turns, _ = tinyworld.scripted_episode(q, world, top, tinyworld.make_rng(0, 0), perfect=True)
-    ids, mask = tinyworld.encode_episode(tok, q["question"], turns, {})
+    q = next(q for q in world_tiny.question_rows(world, "train") if q["data_source"] == "tiny_2hop")
+    turns, _ = world_tiny.scripted_episode(q, world, top, world_base.make_rng(0, 0), perfect=True)
+    ids, mask = world_base.encode_episode(tok, q["question"], turns, {})
     assert len(turns) == 3 and turns[-1][1] is None
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "".join(t for t, _ in turns)
     assert tok.decode([i for i, m in zip(ids, mask) if not m]) == render_prompt(tok, q["question"]) + "".join(
         o for _, o in turns if o)
-    assert reward(tinyworld.episode_response(turns), q["golden_answers"]) == 1.0
+    assert reward(world_base.episode_response(turns), q["golden_answers"]) == 1.0
     assert turns[0][0].endswith("</search>") and turns[-1][0].endswith("</answer>")
 
 
 def test_fast_bc_loss_equals_plain_forward(built):
     tok, world, top, model = built["tok"], built["world"], built["top"], built["model"]
-    rows = tinyworld.question_rows(world, "train")[:3]
-    script = tinyworld.scripted_episode
-    enc = [tinyworld.encode_episode(tok, q["question"], script(q, world, top, tinyworld.make_rng(0, 1))[0], {})
+    rows = world_tiny.question_rows(world, "train")[:3]
+    script = world_tiny.scripted_episode
+    enc = [world_base.encode_episode(tok, q["question"], script(q, world, top, world_base.make_rng(0, 1))[0], {})
            for q in rows]
-    P = tinyworld.common_prefix([e[0] for e in enc])
+    P = common_prefix([e[0] for e in enc])
     with torch.no_grad():
-        batch = tinyworld.pad_batch(enc, [0, 1, 2], P, tok.pad_token_id)
-        fast = tinyworld.bc_loss(model, torch.tensor(enc[0][0][:P]), *batch)
+        batch = pad_batch(enc, [0, 1, 2], P, tok.pad_token_id)
+        fast = bc_loss(model, torch.tensor(enc[0][0][:P]), *batch)
         nll, n = 0.0, 0
         for ids, mask in enc:
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
@@ -177,10 +180,15 @@ def test_fast_bc_loss_equals_plain_forward(built):
     assert fast.item() == pytest.approx(nll / n, rel=1e-4)
 
 
+def test_unknown_preset_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="preset"):
+        world.build_world(str(tmp_path / "w"), scale="test", preset="nope")
+
+
 def test_out_must_be_empty_without_force(tmp_path):
     (tmp_path / "stale.txt").write_text("x")
     with pytest.raises(FileExistsError, match="--force"):
-        tinyworld.build_tinyworld(str(tmp_path), scale="test")
+        world.build_world(str(tmp_path), scale="test")
     assert os.listdir(tmp_path) == ["stale.txt"]
 
 
