@@ -31,7 +31,7 @@ from eval import write_jsonl
 #   manifest.json          sources (repo, commit, checksum), outputs and row counts; written last = "done"
 #   raw/{repo}/            the downloads (hf_hub_download's local_dir; its records in .cache/huggingface); the big
 #                          ones (corpus .gz, index parts) are deleted once converted
-# Sources, checked against Search-R1 (github PeterGriffinJin/Search-R1: scripts/download.py, README "cat part_*",
+# Sources, checked against Search-R1 (github PeterGriffinJin/Search-R1: scripts/download.py, the README's cat part_*,
 # scripts/nq_hotpotqa/README.md, scripts/data_process/qa_search_{train,test}_merge.py) and FlashRAG's dataset card.
 SR1_TRAIN = ("PeterJinGo/nq_hotpotqa_train", "train.parquet")  # hub dataset repo, file
 FLASHRAG = "RUC-NLPIR/FlashRAG_datasets"  # {dataset}/{split}.jsonl rows: id, question, golden_answers, metadata

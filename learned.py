@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 import baselines
-import credit
 import logprobs
 import rollout
 import sampler

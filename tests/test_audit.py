@@ -21,9 +21,11 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import audit
+import baselines
 import engine
 import methods
 import protocol
+import report
 import rollout
 
 WORDS = ["[UNK]", "<|im_end|>", "<search>", "</search>", "<answer>", "</answer>", "a", "b", "c"]
@@ -299,9 +301,9 @@ def test_score_grpo_and_vine_by_hand():
     metrics = {"VinePPO K=1": {"corr": 0.5, "aux_tokens": 20.0, "wrong_sign": 0.0},
                "VinePPO K=2": {"corr": 0.7, "aux_tokens": 40.0, "wrong_sign": 0.0}}
     vines = list(metrics)
-    assert audit.vine_tokens_at(metrics, vines, 0.6) == (30.0, "interpolated")
-    assert audit.vine_tokens_at(metrics, vines, 0.4) == (20.0, "VinePPO K=1 already")
-    assert audit.vine_tokens_at(metrics, vines, 0.9) == (40.0, None)
+    assert report.vine_tokens_at(metrics, vines, 0.6) == (30.0, "interpolated")
+    assert report.vine_tokens_at(metrics, vines, 0.4) == (20.0, "VinePPO K=1 already")
+    assert report.vine_tokens_at(metrics, vines, 0.9) == (40.0, None)
     metrics.update({"TWICE": {"corr": 0.6, "wrong_sign": 0.0, "aux_tokens": 7.0},
                     "independent": {"corr": 0.5, "wrong_sign": 0.1}})
     assert audit.targets(metrics, vines) == {"twice_wrong_sign_le_5pct": True, "twice_corr_ge_0.8": False,

@@ -13,7 +13,6 @@ import torch
 import baselines
 import credit
 import eval as qa_eval
-import methods
 import protocol
 import rollout
 import sampler

@@ -1,5 +1,5 @@
-"""eval.load_qa through `datasets` (issue 16) and its load-time checks (issue 10 item 6): good files load exactly as
-the hand-written loader loaded them; a degenerate gold answer, a non-UTF-8 byte and a lone surrogate escape are
+"""eval.load_qa through `datasets` and its load-time checks (DESIGN.md section 12): good files load exactly as the
+hand-written loader loaded them; a degenerate gold answer, a non-UTF-8 byte and a lone surrogate escape are
 refused when the file is loaded, with file:line and how to fix it."""
 import json
 import os
@@ -71,7 +71,7 @@ def test_a_good_parquet_file_loads_as_the_hand_written_loader_loaded_it(tmp_path
 
 @pytest.mark.parametrize("gold", [[""], ["The"], ["Ossel", "a"], [" . "]])
 def test_a_gold_answer_that_normalises_to_nothing_is_refused_with_file_line(tmp_path, gold):
-    """An empty <answer></answer> would score 1.0 against it (issue 10 item 6)."""
+    """An empty <answer></answer> would score 1.0 against it."""
     assert protocol.reward("<answer></answer>", gold) == 1.0  # why it must not reach training
     path = _jsonl(tmp_path / "qa.jsonl", [_row(), "", _row(gold=gold, rid=8)])
     with pytest.raises(ValueError, match=rf"qa.jsonl:3: golden answer\(s\) .* normalise to an empty string.*"
@@ -126,7 +126,7 @@ def test_loading_is_fast_and_leaves_no_cache(tmp_path):
     t = time.perf_counter()
     for _ in range(5):
         assert len(qa_eval.load_qa(path)) == 200
-    assert (time.perf_counter() - t) / 5 < 1.0  # ~0.05 s measured on 2 CPU cores (README-libraries.md)
+    assert (time.perf_counter() - t) / 5 < 1.0  # ~40 ms per small file measured on 2 CPU cores (LOG.md, 2026-11-30)
     assert (sorted(os.listdir(cache)) if os.path.exists(cache) else None) == before
 
 

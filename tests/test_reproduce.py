@@ -1,8 +1,8 @@
-"""The paper-scale pipeline on CPU stand-ins (issue 6): `data.py searchr1` against a local fake of each hub source
-(same schemas: Search-R1's merged train.parquet, FlashRAG jsonl, wiki-18 jsonl.gz, a FAISS flat index split in parts),
-the hub code itself against a local HTTP hub, the presets and accelerate configs, `make reproduce-3b DRY_RUN=1`, the
-report table, and one training step through the real-model path (Qwen2.5's BPE vocabulary, ChatML template, the 3B
-preset with its sizes shrunk and bf16 off)."""
+"""The paper-scale pipeline on CPU stand-ins (DESIGN.md section 10): `data.py searchr1` against a local fake of each hub
+source (same schemas: Search-R1's merged train.parquet, FlashRAG jsonl, wiki-18 jsonl.gz, a FAISS flat index split in
+parts), the hub code itself against a local HTTP hub, the presets and accelerate configs, `make reproduce-3b
+DRY_RUN=1`, the report table, and one training step through the real-model path (Qwen2.5's BPE vocabulary, ChatML
+template, the 3B preset with its sizes shrunk and bf16 off)."""
 import functools
 import gzip
 import hashlib
