@@ -8,50 +8,67 @@ SEED    ?= 0
 export HF_HUB_OFFLINE ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
+# Paths may hold spaces or quotes: recipes paste the q* copies below, each one shell word (single-quoted when it holds
+# anything but letters, digits and / . _ - + = : @ %, so plain paths print as they are); target and prerequisite names
+# use the t* copies (spaces escaped: make splits names at spaces). SEEDS, METHODS, CMP_CFG, TESTS are lists of words.
+empty :=
+space := $(empty) $(empty)
+_safe := a b c d e f g h i j k l m n o p q r s t u v w x y z A B C D E F G H I J K L M N O P Q R S T U V W X Y Z \
+         0 1 2 3 4 5 6 7 8 9 / . _ - + = : @ %
+_strip = $(if $(2),$(call _strip,$(subst $(firstword $(2)),,$(1)),$(wordlist 2,$(words $(2)),$(2))),$(1))
+q = $(if $(call _strip,$(1),$(_safe)),'$(subst ','\'',$(1))',$(1))
+t = $(subst $(space),\$(space),$(1))
+qPYTHON = $(call q,$(PYTHON))
+qVENV   = $(call q,$(VENV))
+tVENV   = $(call t,$(VENV))
+qPY     = $(call q,$(PY))
+qWORLD  = $(call q,$(WORLD))
+tWORLD  = $(call t,$(WORLD))
+
 .PHONY: install test test-slow world index demo demo-compare compare-methods audit eval
 
-install: $(VENV)/.installed
+install: $(tVENV)/.installed
 
-$(VENV)/.installed: requirements.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -r requirements.txt
-	touch $@
+$(tVENV)/.installed: requirements.txt
+	$(qPYTHON) -m venv $(qVENV)
+	$(qPY) -m pip install --upgrade pip
+	$(qPY) -m pip install -r requirements.txt
+	touch $(call q,$@)
 
 test: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(qPY) -m pytest -q -m "not slow" tests
 
 test-slow: install
-	$(PY) -m pytest -q -m slow tests
+	$(qPY) -m pytest -q -m slow tests
 
 # A built-in world: corpus, questions, tokenizer, index and warm-start policy (DESIGN.md section 9). PRESET=tiny (the
 # demo's) or chains (1- to 4-hop chains: make world WORLD=data/chains PRESET=chains, ~10 min on one thread).
 PRESET  ?= tiny
-world: install $(WORLD)/world.json
+world: install $(tWORLD)/world.json
 
-$(WORLD)/world.json:
-	$(PY) world.py --out $(WORLD) --seed $(SEED) --preset $(PRESET)
+$(tWORLD)/world.json:
+	$(qPY) world.py --out $(qWORLD) --seed $(SEED) --preset $(PRESET)
 
 # Rebuild only the tiny world's dense index (e.g. after editing the corpus).
 index: install
-	$(PY) retriever.py build --corpus $(WORLD)/corpus.jsonl --encoder minilm --out $(WORLD)/index
+	$(qPY) retriever.py build --corpus $(qWORLD)/corpus.jsonl --encoder minilm --out $(qWORLD)/index
 
 # The main job on the built-in default: build the tiny world if missing, train TWICE from the warm-start policy, with a
 # greedy evaluation of the test split before (step 0), every 5 steps and after; prints the before/after table and the
 # twin statistics; writes runs/demo/twice/{metrics.jsonl,learning_curve.png,step_*}.
-demo: install $(WORLD)/world.json
-	$(PY) train_twice.py configs/demo.cfg --world=$(WORLD) --seed=$(SEED) --overwrite
+demo: install $(tWORLD)/world.json
+	$(qPY) train_twice.py configs/demo.cfg --world=$(qWORLD) --seed=$(SEED) --overwrite
 
 # GRPO (omega = 0) vs TWICE on the tiny world, same seeds and settings, at a learning rate where credit matters;
 # prints EM curves (mean +- sd over SEEDS), training reward, token cost and twin statistics. One thread per run: the
 # numbers are then identical on every rerun (with two, some CPU kernels reduce in a varying order).
 SEEDS ?= 0 1 2
 COMPARE ?= runs/demo-compare
-demo-compare: install $(WORLD)/world.json
+demo-compare: install $(tWORLD)/world.json
 	for s in $(SEEDS); do for o in 0 1; do \
-	  OMP_NUM_THREADS=1 $(PY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(WORLD) --seed=$$s --omega=$$o \
-	    --out_dir=$(COMPARE)/omega$$o-seed$$s --overwrite || exit 1; done; done
-	$(PY) report.py compare $(COMPARE)/omega*-seed*
+	  OMP_NUM_THREADS=1 $(qPY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(qWORLD) --seed=$$s \
+	    --omega=$$o --out_dir=$(call q,$(COMPARE))/omega$$o-seed$$s --overwrite || exit 1; done; done
+	$(qPY) report.py compare $(call q,$(COMPARE))/omega*-seed*
 
 # Every method at the same total of generated tokens (factual + auxiliary) per run (issue 15): one run per method and
 # seed from the configs CMP_CFG, each stopped by token_budget (a method that spends tokens on twins or continuations
@@ -63,28 +80,34 @@ CMP_CFG  ?= configs/chains.cfg configs/compare-methods.cfg
 METHODS  ?= grpo twice independent vineppo gigpo hgpo arpo tree_grpo ppo igpo spa_rl agentprm craft
 CMP      ?= runs/compare-methods
 JOBS     ?= 2
-CMP_RUNS  = $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(CMP)/$(m)-seed$(s)))
+CMP_RUNS  = $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(call q,$(CMP)/$(m)-seed$(s))))
+# The sh -c script reads the paths from its environment (py, cmp, world): pasted inside its single quotes, a quote in
+# a path would end the script.
 compare-methods: install
-	mkdir -p $(CMP)
+	mkdir -p $(call q,$(CMP))
 	for s in $(SEEDS); do for m in $(METHODS); do \
-	  grep -qs '"final": true' $(CMP)/$$m-seed$$s/metrics.jsonl || echo "$$m $$s"; done; done | \
-	xargs -r -P $(JOBS) -L 1 sh -c 'OMP_NUM_THREADS=1 $(PY) train_twice.py $(CMP_CFG) \
-	  $(if $(filter command line,$(origin WORLD)),--world=$(WORLD)) --seed=$$1 --method=$$0 \
-	  --out_dir=$(CMP)/$$0-seed$$1 --overwrite > $(CMP)/$$0-seed$$1.log 2>&1 || \
-	  { echo "$$0 seed $$1 failed: see $(CMP)/$$0-seed$$1.log"; exit 255; }'
-	$(PY) report.py methods $(CMP_RUNS)
-	$(if $(and $(filter grpo,$(METHODS)),$(word 2,$(SEEDS))),$(PY) report.py paired $(CMP_RUNS))
+	  grep -qs '"final": true' $(call q,$(CMP))/$$m-seed$$s/metrics.jsonl || echo "$$m $$s"; done; done | \
+	py=$(qPY) cmp=$(call q,$(CMP)) world=$(if $(filter command line,$(origin WORLD)),$(qWORLD)) \
+	xargs -r -P $(JOBS) -L 1 sh -c 'OMP_NUM_THREADS=1 "$$py" train_twice.py $(CMP_CFG) \
+	  $${world:+"--world=$$world"} --seed=$$1 --method=$$0 \
+	  --out_dir="$$cmp/$$0-seed$$1" --overwrite > "$$cmp/$$0-seed$$1.log" 2>&1 || \
+	  { echo "$$0 seed $$1 failed: see $$cmp/$$0-seed$$1.log"; exit 255; }'
+	$(qPY) report.py methods $(CMP_RUNS)
+	$(if $(and $(filter grpo,$(METHODS)),$(word 2,$(SEEDS))),$(qPY) report.py paired $(CMP_RUNS))
 
 # Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages; the methods.py rows
 # take their knobs from the world's trainer preset (configs/demo.cfg, or configs/chains.cfg for WORLD=data/chains).
-AUDIT_OUT ?= $(if $(filter data/tinyworld,$(WORLD)),runs/audit,runs/audit-$(notdir $(WORLD)))
-audit: install $(WORLD)/world.json
-	$(PY) audit.py --world $(WORLD) --out $(AUDIT_OUT)
+# (notdir splits at spaces: they are swapped out around it)
+AUDIT_OUT ?= $(if $(filter data/tinyworld,$(WORLD)),runs/audit,runs/audit-$(subst ^_^,$(space),$(notdir \
+             $(subst $(space),^_^,$(WORLD)))))
+audit: install $(tWORLD)/world.json
+	$(qPY) audit.py --world $(qWORLD) --out $(call q,$(AUDIT_OUT))
 
 # Greedy exact match of a policy: make eval MODEL=runs/demo/twice/step_000030/policy
 MODEL ?= $(WORLD)/policy
-eval: install $(WORLD)/world.json
-	$(PY) eval.py --model $(MODEL) --data $(WORLD)/test.jsonl --index $(WORLD)/index --out runs/eval/results.json
+eval: install $(tWORLD)/world.json
+	$(qPY) eval.py --model $(call q,$(MODEL)) --data $(qWORLD)/test.jsonl --index $(qWORLD)/index \
+	  --out runs/eval/results.json
 
 # --- paper-scale reproduction ---
 # make reproduce-3b / reproduce-7b (DESIGN.md section 10; README "Paper-scale reproduction"), on one node of 8 GPUs:
@@ -101,9 +124,14 @@ PORT    ?= 8000
 NGPU    ?= 8
 ACCEL   := $(VENV)/bin/accelerate
 URL      = http://127.0.0.1:$(PORT)/retrieve
-HEALTH   = $(PY) -c "import requests; requests.get('http://127.0.0.1:$(PORT)/health', timeout=5).raise_for_status()"
+HEALTH   = $(qPY) -c "import requests; requests.get('http://127.0.0.1:$(PORT)/health', timeout=5).raise_for_status()"
 TESTS   := nq triviaqa popqa hotpotqa 2wikimultihopqa musique bamboogle
 RUN      = $(RUNS)/qwen2.5-$(SIZE)
+qRUNS    = $(call q,$(RUNS))
+qSR1     = $(call q,$(SR1))
+tSR1     = $(call t,$(SR1))
+qRUN     = $(call q,$(RUN))
+tRUN     = $(call t,$(RUN))
 HF_MODEL_3b := Qwen/Qwen2.5-3B
 HF_MODEL_7b := Qwen/Qwen2.5-7B
 ACCEL_CFG_3b := configs/accelerate_ddp.yaml
@@ -130,71 +158,75 @@ endif
 reproduce-3b reproduce-7b:
 	@$(MAKE) --no-print-directory $(if $(filter 1 yes true,$(DRY_RUN)),-n -B) reproduce SIZE=$(subst reproduce-,,$@)
 
-reproduce: install $(if $(filter 7b,$(SIZE)),install-gpu) $(SR1)/manifest.json reproduce-models
+reproduce: install $(if $(filter 7b,$(SIZE)),install-gpu) $(tSR1)/manifest.json reproduce-models
 	$(MAKE) --no-print-directory retriever-up
-	$(MAKE) --no-print-directory $(RUN)-report.md || { $(MAKE) --no-print-directory retriever-down; exit 1; }
+	$(MAKE) --no-print-directory $(qRUN)-report.md || { $(MAKE) --no-print-directory retriever-down; exit 1; }
 	$(MAKE) --no-print-directory retriever-down
-	@echo "== done: $(RUN)-report.md (GRPO vs TWICE per test set and average, next to the paper's averages)"
+	@echo "== done:" $(qRUN)-report.md "(GRPO vs TWICE per test set and average, next to the paper's averages)"
 
 # DeepSpeed for the 7B run (requirements-gpu.txt)
-install-gpu: $(VENV)/.installed-gpu
+install-gpu: $(tVENV)/.installed-gpu
 
-$(VENV)/.installed-gpu: requirements-gpu.txt $(VENV)/.installed
-	$(PY) -m pip install -r requirements-gpu.txt
-	touch $@
+$(tVENV)/.installed-gpu: requirements-gpu.txt $(tVENV)/.installed
+	$(qPY) -m pip install -r requirements-gpu.txt
+	touch $(call q,$@)
 
-$(SR1)/manifest.json:
+$(tSR1)/manifest.json:
 	$(info == step 1/7 data: $(EST_data))
-	$(PY) data.py searchr1 --out $(SR1)
+	$(qPY) data.py searchr1 --out $(qSR1)
 
 reproduce-models:
 	$(info == step 2/7 models: $(EST_models_$(SIZE)))
-	$(VENV)/bin/hf download $(HF_MODEL_$(SIZE))
-	$(VENV)/bin/hf download intfloat/e5-base-v2
+	$(qVENV)/bin/hf download $(HF_MODEL_$(SIZE))
+	$(qVENV)/bin/hf download intfloat/e5-base-v2
 
 # The server is started in the background unless one already answers on PORT; its pid file marks it as ours to stop.
 retriever-up:
 	$(info == step 3/7 retriever server on port $(PORT): $(EST_server))
-	mkdir -p $(RUNS)
+	mkdir -p $(qRUNS)
 	if ! $(HEALTH) 2>/dev/null; then \
-	  nohup $(PY) server.py serve --index $(SR1)/index --host 127.0.0.1 --port $(PORT) --fp16 \
-	    > $(RUNS)/retriever.log 2>&1 & echo $$! > $(RUNS)/retriever.pid; fi
+	  nohup $(qPY) server.py serve --index $(qSR1)/index --host 127.0.0.1 --port $(PORT) --fp16 \
+	    > $(qRUNS)/retriever.log 2>&1 & echo $$! > $(qRUNS)/retriever.pid; fi
 	for i in $$(seq 360); do $(HEALTH) 2>/dev/null && exit 0; \
-	  if [ -f $(RUNS)/retriever.pid ] && ! kill -0 $$(cat $(RUNS)/retriever.pid) 2>/dev/null; then \
-	    rm -f $(RUNS)/retriever.pid; echo "retriever exited: see $(RUNS)/retriever.log"; exit 1; fi; sleep 5; done; \
-	  echo "retriever not up after 30 min: see $(RUNS)/retriever.log"; exit 1
+	  if [ -f $(qRUNS)/retriever.pid ] && ! kill -0 $$(cat $(qRUNS)/retriever.pid) 2>/dev/null; then \
+	    rm -f $(qRUNS)/retriever.pid; echo "retriever exited: see" $(qRUNS)/retriever.log; exit 1; fi; sleep 5; \
+	  done; echo "retriever not up after 30 min: see" $(qRUNS)/retriever.log; exit 1
 
 retriever-down:
-	if [ -f $(RUNS)/retriever.pid ]; then kill $$(cat $(RUNS)/retriever.pid) 2>/dev/null; rm -f $(RUNS)/retriever.pid; fi
+	if [ -f $(qRUNS)/retriever.pid ]; then kill $$(cat $(qRUNS)/retriever.pid) 2>/dev/null; \
+	  rm -f $(qRUNS)/retriever.pid; fi
 
 # One training run: $(1) = run folder, $(2) = extra flags. Continues from the run's last checkpoint if there is one.
 define train_run
-	$(ACCEL) launch --config_file $(ACCEL_CFG_$(SIZE)) train_twice.py configs/qwen2.5-$(SIZE).cfg --out_dir=$(1) \
-	  --retriever_url=$(URL) $(2) --overwrite $$(ls -d $(1)/step_?????? 2>/dev/null | tail -n 1 | sed 's/^/--resume=/')
-	touch $(1)/DONE
+	resume=$$(ls -d $(call q,$(1))/step_?????? 2>/dev/null | tail -n 1); \
+	$(call q,$(ACCEL)) launch --config_file $(ACCEL_CFG_$(SIZE)) train_twice.py configs/qwen2.5-$(SIZE).cfg \
+	  --out_dir=$(call q,$(1)) --retriever_url=$(URL) $(2) --overwrite $${resume:+"--resume=$$resume"}
+	touch $(call q,$(1))/DONE
 endef
 
-$(RUN)-grpo/DONE:
+$(tRUN)-grpo/DONE:
 	$(info == step 4/7 GRPO run (--omega=0) $(RUN)-grpo: $(EST_grpo_$(SIZE)))
 	$(call train_run,$(RUN)-grpo,--omega=0)
 
-$(RUN)-twice/DONE:
+$(tRUN)-twice/DONE:
 	$(info == step 5/7 TWICE run $(RUN)-twice: $(EST_twice_$(SIZE)))
 	$(call train_run,$(RUN)-twice,)
 
 # Greedy EM of a run's final policy: one eval.py per test set, spread over the GPUs; a finished set is kept.
-$(RUN)-%/eval/DONE: $(RUN)-%/DONE
+# IFS is empty so that $$policy stays one word whatever the path holds; the pids are kept as positional parameters.
+$(tRUN)-%/eval/DONE: $(tRUN)-%/DONE
 	$(info == step 6/7 evaluation of $(RUN)-$*: $(EST_eval_$(SIZE)))
-	mkdir -p $(@D)
-	policy=$$(ls -d $(RUN)-$*/step_?????? | tail -n 1)/policy; pids=; gpu=0; \
+	mkdir -p $(qRUN)-$*/eval
+	IFS=; policy=$$(ls -d $(qRUN)-$*/step_?????? | tail -n 1)/policy; set --; gpu=0; \
 	for t in $(TESTS); do \
-	  [ -f $(@D)/$$t.json ] && continue; \
-	  CUDA_VISIBLE_DEVICES=$$gpu $(PY) eval.py --model $$policy --data $(SR1)/test/$$t.jsonl --retriever_url $(URL) \
-	    --out $(@D)/$$t.json > $(@D)/$$t.log 2>&1 & pids="$$pids $$!"; gpu=$$(( (gpu + 1) % $(NGPU) )); \
+	  [ -f $(qRUN)-$*/eval/$$t.json ] && continue; \
+	  CUDA_VISIBLE_DEVICES=$$gpu $(qPY) eval.py --model $$policy --data $(qSR1)/test/$$t.jsonl --retriever_url $(URL) \
+	    --out $(qRUN)-$*/eval/$$t.json > $(qRUN)-$*/eval/$$t.log 2>&1 & set -- "$$@" $$!; \
+	  gpu=$$(( (gpu + 1) % $(NGPU) )); \
 	done; \
-	for p in $$pids; do wait $$p || { echo "evaluation failed: see $(@D)/*.log"; exit 1; }; done
-	touch $@
+	for p; do wait $$p || { echo "evaluation failed: see" $(qRUN)-$*/eval/"*.log"; exit 1; }; done
+	touch $(call q,$@)
 
-$(RUN)-report.md: $(RUN)-grpo/DONE $(RUN)-twice/DONE $(RUN)-grpo/eval/DONE $(RUN)-twice/eval/DONE
+$(tRUN)-report.md: $(tRUN)-grpo/DONE $(tRUN)-twice/DONE $(tRUN)-grpo/eval/DONE $(tRUN)-twice/eval/DONE
 	$(info == step 7/7 report: $@)
-	$(PY) report.py paper --paper $(SIZE) --out $@ GRPO=$(RUN)-grpo/eval TWICE=$(RUN)-twice/eval
+	$(qPY) report.py paper --paper $(SIZE) --out $(call q,$@) GRPO=$(qRUN)-grpo/eval TWICE=$(qRUN)-twice/eval

@@ -128,9 +128,26 @@ def _nonblank_lineno(path: str, index: int) -> int:
         return next(lineno for i, lineno in enumerate(rows) if i == index)
 
 
+def qa_where(path: str, index: int) -> str:
+    """Where row `index` (0-based) of a QA file sits: `file:line` (jsonl: one row per non-blank line) or
+    `file: row N` (parquet)."""
+    return f"{path}: row {index}" if path.endswith(".parquet") else f"{path}:{_nonblank_lineno(path, index)}"
+
+
+def _refuse_duplicate_ids(path: str, rows: list):
+    """Every row's sampling keys derive from its id (sampler.stable_id), so two questions sharing an id would share
+    their noise: any repeated id is refused, naming both rows (identical rows too: a row twice is a data error)."""
+    first = {}
+    for i, row in enumerate(rows):
+        j = first.setdefault(row["id"], i)
+        if j != i:
+            raise ValueError(f"{qa_where(path, i)}: duplicate id {row['id']!r}, first at {qa_where(path, j)}; ids "
+                             "key each question's sampling noise and must be unique within a file")
+
+
 def load_qa(path: str) -> list:
     """Load QA rows (`id`, `question`, `golden_answers`, `data_source`) from a .jsonl or .parquet file, through
-    `datasets`, each row checked by _check_row.
+    `datasets`, each row checked by _check_row, ids unique (as strings: 7 and "7" are one id).
 
     A bad row raises ValueError naming the file and the line (jsonl, 1-based) or row (parquet, 0-based). Arrow's JSON
     errors name neither a line nor a byte (nor does it accept what Python's json does: a lone surrogate escape), so
@@ -158,11 +175,31 @@ def load_qa(path: str) -> list:
             try:
                 rows.append(_check_row(row))
             except ValueError as bad:
-                where = f"{path}: row {i}" if kind == "parquet" else f"{path}:{_nonblank_lineno(path, i)}"
-                raise ValueError(f"{where}: {bad}") from None
+                raise ValueError(f"{qa_where(path, i)}: {bad}") from None
     if not rows:
         raise ValueError(f"{path}: no QA rows")
+    _refuse_duplicate_ids(path, rows)
     return rows
+
+
+def refuse_long_prompts(rows: list, tokenizer, max_context: int, max_new_tokens: int, path: str = ""):
+    """Refuse any row whose prompt leaves less than one full turn (max_new_tokens) of room under max_context, naming
+    `file:line` (path given: rows as load_qa returned them) or the question's id, with its token count.
+
+    Refused rather than truncated: a cut question may no longer hold what its answer depends on, so training or
+    scoring it would be training or scoring another question. Such a row can never produce a full turn, and its
+    prompt went whole into every log-prob pass (a 40,000-word question ran a run to 24 GB before the kernel killed
+    it); refusing at load time costs one tokenisation of the file, before any model runs."""
+    limit = max_context - max_new_tokens
+    lengths = rollout.prompt_lengths(tokenizer, rows)
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if not over:
+        return
+    i = over[0]
+    where = qa_where(path, i) if path else f"question {rows[i].get('id')!r} of {rows[i].get('data_source')}"
+    raise ValueError(f"{where}: the prompt is {lengths[i]} tokens, past the {limit} that leave one turn "
+                     f"(max_new_tokens={max_new_tokens}) under max_context={max_context}; {len(over)} such row(s), "
+                     f"longest {max(lengths[j] for j in over)} tokens: shorten or remove them, or raise max_context")
 
 
 # --- evaluation of a policy on QA sets (greedy episodes, DESIGN.md section 3) ---
@@ -192,6 +229,7 @@ def evaluate(model, tokenizer, retriever, rows: list, proto, chunk: int = 256, p
     from tqdm import tqdm
     if proto.temperature != 0:
         raise ValueError("evaluation is greedy: set temperature 0 (DESIGN.md section 3)")
+    refuse_long_prompts(rows, tokenizer, proto.max_context, proto.max_new_tokens)  # before any episode runs
     episodes = []
     for c in tqdm(range(0, len(rows), chunk), desc="eval", unit="chunk", disable=not progress):
         batch = rollout.start_episodes(tokenizer, rows[c:c + chunk], run_seed=0, step=0, group_size=1)

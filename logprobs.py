@@ -91,10 +91,25 @@ def trimmed(batch: dict, rows, keys=("input_ids", "attention_mask", "loss_mask")
     return {k: batch[k][rows, :width] for k in keys if k in batch}, width
 
 
+def check_context(batch: dict, max_context: int | None):
+    """Refuse a batch with a row longer than max_context: no pass may allocate past what the rollout is bounded by
+    (one 15k-token prompt made a (chunk, V) pass ask for 9 GB). None: unchecked."""
+    if max_context is None:
+        return
+    lengths = batch["attention_mask"].sum(1)
+    if len(lengths) and int(lengths.max()) > max_context:
+        b = int(lengths.argmax())
+        raise ValueError(f"batch_logprobs: row {b} has {int(lengths[b])} tokens, past max_context={max_context} "
+                         f"({int((lengths > max_context).sum())} such row(s)); over-long prompts are refused when "
+                         "the QA file is loaded (eval.refuse_long_prompts)")
+
+
 @torch.no_grad()
-def batch_logprobs(model, batch, temperature, micro_batch_size, with_entropy=False):
+def batch_logprobs(model, batch, temperature, micro_batch_size, with_entropy=False, max_context=None):
     """(log-probs, entropy or None) at the loss-masked positions of a batch (0 elsewhere: DEVIATION P2), no grads
-    (old policy, reference); micro-batches of similar lengths, each cut to its longest row."""
+    (old policy, reference); micro-batches of similar lengths, each cut to its longest row. With max_context, a row
+    longer than it is refused before any forward (check_context)."""
+    check_context(batch, max_context)
     n = batch["input_ids"].shape[0]
     lp = torch.zeros(n, batch["input_ids"].shape[1] - 1, device=batch["input_ids"].device)
     ent = torch.zeros_like(lp) if with_entropy else None

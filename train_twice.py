@@ -281,7 +281,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, step, accel.process_index,
                                        accel.num_processes)
         episodes = run.method.rollout(run, step, prompts, proto)
-        batch = {k: v.to(accel.device) for k, v in rollout.collate(episodes, run.tok.pad_token_id).items()}
+        batch = {k: v.to(accel.device) for k, v in rollout.collate(episodes, run.tok.pad_token_id,
+                                                                    cfg.max_context).items()}
         times["rollout"] = time.time()
 
         # 2.-6. Token advantages: TWICE's twin credit, or the baseline's own (baselines.Method.advantages).
@@ -292,8 +293,10 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         times["twins"] = time.time()
         # log-prob k predicts token k + 1 (token_logprobs): token k's advantage moves to k - 1
         adv = torch.tensor(adv[:, 1:], dtype=torch.float32, device=accel.device)
-        old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True)
-        ref_lp, _ = logprobs.batch_logprobs(run.ref, batch, cfg.temperature, cfg.micro_batch_size)
+        old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True,
+                                              cfg.max_context)
+        ref_lp, _ = logprobs.batch_logprobs(run.ref, batch, cfg.temperature, cfg.micro_batch_size,
+                                            max_context=cfg.max_context)
 
     # 7. PPO-clip update with the k3 KL to the reference.
     run.policy.train()
@@ -440,9 +443,10 @@ def setup(cfg: Config) -> Run:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     policy, opt = accel.prepare(policy, opt)
+    rows = qa_eval.load_qa(cfg.train_data)
+    qa_eval.refuse_long_prompts(rows, tok, cfg.max_context, cfg.max_new_tokens, cfg.train_data)  # before any rollout
     return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt,
-               methods.make(cfg), credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay),
-               qa_eval.load_qa(cfg.train_data),
+               methods.make(cfg), credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay), rows,
                n_micro, weight_norm(accel, policy))
 
 

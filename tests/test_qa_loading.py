@@ -137,3 +137,39 @@ def test_conversion_removes_degenerate_gold_answers_and_counts_dropped_rows(tmp_
     assert data._write_qa(rows, dest, "src.jsonl") == 2
     assert [(r["id"], r["golden_answers"]) for r in qa_eval.load_qa(dest)] == [("a", ["Ossel"]), ("c", ["Ossel"])]
     assert data._dropped(dest) == ["b"] and "dropped the 1 left without an answer: ['b']" in capsys.readouterr().out
+
+
+def test_a_duplicate_id_is_refused_naming_both_lines(tmp_path):
+    """Sampling keys derive from the id: two questions with one id would get identical noise. Any repeat is refused,
+    an identical row too, and 7 and "7" are one id (ids are compared as strings, as stable_id reads them)."""
+    other = _row(question="who founded Brisk Corp", rid="7")
+    path = _jsonl(tmp_path / "qa.jsonl", [_row(rid=6), "", _row(rid=7), _row(rid=8), "", other])
+    with pytest.raises(ValueError, match=r"qa.jsonl:6: duplicate id '7', first at .*qa.jsonl:3; ids key each"):
+        qa_eval.load_qa(path)
+    same = _jsonl(tmp_path / "same.jsonl", [_row(rid=1), _row(rid=1)])
+    with pytest.raises(ValueError, match=r"same.jsonl:2: duplicate id '1', first at .*same.jsonl:1"):
+        qa_eval.load_qa(same)
+    pq = str(tmp_path / "qa.parquet")
+    pd.DataFrame([_row(rid="a"), _row(rid="b"), _row(rid="a")]).to_parquet(pq)
+    with pytest.raises(ValueError, match=r"qa.parquet: row 2: duplicate id 'a', first at .*qa.parquet: row 0"):
+        qa_eval.load_qa(pq)
+    # line by line (`datasets` fails on the mixed types of an extra field): the same lines are named
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [dict(_row(rid=1), extra=1), dict(_row(rid=1), extra="x")])
+    with pytest.raises(ValueError, match=r"mixed.jsonl:2: duplicate id '1', first at .*mixed.jsonl:1"):
+        qa_eval.load_qa(mixed)
+
+
+def test_the_built_in_worlds_and_searchr1_conversion_have_unique_ids(tiny_world, tmp_path):
+    """Every QA file of the tiny world loads (ids unique); data.py gives Search-R1's rows `{data_source}_{id}`, so NQ's
+    and HotpotQA's colliding FlashRAG numbering (train_0, ...) stays apart, and val.jsonl merges sources safely."""
+    import glob
+    files = sorted(glob.glob(os.path.join(tiny_world, "*.jsonl")))
+    qa_files = [f for f in files if not f.endswith("corpus.jsonl")]
+    assert qa_files and all(qa_eval.load_qa(f) for f in qa_files)
+    src = str(tmp_path / "train.parquet")
+    pd.DataFrame([{"id": "train_0", "question": "q one", "golden_answers": ["Ossel"], "data_source": "nq"},
+                  {"id": "train_0", "question": "q two", "golden_answers": ["Vantis"], "data_source": "hotpotqa"}]
+                 ).to_parquet(src)
+    dest = str(tmp_path / "train.jsonl")
+    assert data.convert_train(src, dest) == 2
+    assert [r["id"] for r in qa_eval.load_qa(dest)] == ["nq_train_0", "hotpotqa_train_0"]

@@ -373,3 +373,30 @@ def test_a_row_drawn_twice_in_a_step_gets_distinct_keys(word_tok):
     again = rollout.start_episodes(word_tok, [q], run_seed=0, step=0, group_size=2)[0]
     assert first.key == again.key  # the first occurrence keeps the key it always had
     assert second.key != first.key and second.uid != first.uid
+
+
+def test_collate_and_batch_logprobs_refuse_a_row_past_max_context(word_tok, word_model):
+    """Every pass over a training batch is bounded by max_context: a row past it (a prompt that was never checked)
+    is refused by collate and by batch_logprobs before any forward, not allocated."""
+    import logprobs
+    (q,) = questions(1)
+    long_q = dict(q, question=q["question"] + " capital" * 300)
+    ep, long_ep = rollout.start_episodes(word_tok, [q, long_q], 0, 0)
+    for e in (ep, long_ep):
+        e.ids, e.mask = [5, 6, 7], [1, 1, 1]
+    n, cap = len(long_ep.prompt_ids) + 3, len(ep.prompt_ids) + 3
+    # what the load-time check measures (batched) is what the rollout encodes
+    assert rollout.prompt_lengths(word_tok, [q, long_q], chunk=1) == [len(ep.prompt_ids), n - 3]
+    assert rollout.prompt_lengths(word_tok, [q, long_q]) == [len(ep.prompt_ids), n - 3]
+    ok = rollout.collate([ep], word_tok.pad_token_id, max_context=cap)  # exactly at the cap
+    with pytest.raises(ValueError, match=rf"collate: 1 row\(s\) longer than max_context={cap} \(row 1, question "
+                                         rf".*{len(long_ep.prompt_ids)} prompt \+ 3 response = {n} tokens\)"):
+        rollout.collate([ep, long_ep], word_tok.pad_token_id, max_context=cap)
+    batch = rollout.collate([ep, long_ep], word_tok.pad_token_id)  # unchecked: the path of callers without a cap
+
+    def no_forward(*a, **k):
+        raise AssertionError("a forward pass ran on an over-long batch")
+    with pytest.raises(ValueError, match=rf"batch_logprobs: row 1 has {n} tokens, past max_context={cap} \(1 such"):
+        logprobs.batch_logprobs(no_forward, batch, 1.0, 2, max_context=cap)
+    lp, _ = logprobs.batch_logprobs(word_model, ok, 1.0, 2, max_context=cap)
+    assert lp.shape == (1, len(ep.prompt_ids) + 2) and (lp[0, -3:] < 0).all()

@@ -313,3 +313,35 @@ def test_compare_methods_at_equal_tokens(tmp_path, capsys):
     capsys.readouterr()
     report.compare_methods(dirs)
     assert "t1 has not finished" in capsys.readouterr().err
+
+
+def _with_long_question(tiny_world, path, words=5000) -> str:
+    """The tiny world's train file with its third row's question made `words` words long."""
+    import eval as qa_eval
+    rows = qa_eval.load_qa(os.path.join(tiny_world, "train.jsonl"))
+    rows[2] = dict(rows[2], question="what is the capital of " + "the city " * (words // 2))
+    qa_eval.write_jsonl(path, rows)
+    return path
+
+
+def test_an_over_long_train_question_is_refused_with_file_line_before_any_rollout(tiny_world, tmp_path,
+                                                                                  monkeypatch):
+    """A 5,000-word question: its prompt went whole into every log-prob pass (with Qwen2.5 at 15k tokens, a 9.1 GB
+    allocation; a 40,000-word one ran the process to 24 GB, killed). Now setup refuses the file, naming the line and
+    the token count, before any episode is sampled; an eval question past the cap is refused by evaluate()."""
+    import eval as qa_eval
+
+    def no_rollout(*a, **k):
+        raise AssertionError("an episode was sampled")
+    monkeypatch.setattr(rollout, "start_episodes", no_rollout)
+    path = _with_long_question(tiny_world, str(tmp_path / "long.jsonl"))
+    out = str(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"long.jsonl:3: the prompt is \d{4,} tokens, past the 744 that leave one "
+                                         r"turn \(max_new_tokens=24\) under max_context=768; 1 such row"):
+        tt.main(tiny_cfg(tiny_world, out, f"--train_data={path}", "--steps=1", "--eval_every=0"))
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
+    model, tok = qa_eval.load_policy(os.path.join(tiny_world, "policy"))
+    rows = qa_eval.load_qa(path)
+    proto = tt.protocol.Protocol(max_new_tokens=24, max_context=768, temperature=0.0)
+    with pytest.raises(ValueError, match=rf"question {rows[2]['id']!r} of tiny_\dhop: the prompt is \d{{4,}} tokens"):
+        qa_eval.evaluate(model, tok, None, rows, proto, progress=False)
