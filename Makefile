@@ -70,7 +70,7 @@ demo-compare: install $(tWORLD)/world.json
 	    --omega=$$o --out_dir=$(call q,$(COMPARE))/omega$$o-seed$$s --overwrite || exit 1; done; done
 	$(qPY) report.py compare $(call q,$(COMPARE))/omega*-seed*
 
-# Every method at the same total of generated tokens (factual + auxiliary) per run (issue 15): one run per method and
+# Every method at the same total of generated tokens (factual + auxiliary) per run: one run per method and
 # seed from the configs CMP_CFG, each stopped by token_budget (a method that spends tokens on twins or continuations
 # gets fewer steps); prints the table (EM at token marks, area under EM-vs-tokens, tokens to GRPO's final EM, wall time)
 # and writes $(CMP)/compare_methods_seeds<S>.png. JOBS runs at a time, one thread each (reruns give the same numbers), a

@@ -159,7 +159,7 @@ def test_compare_runs_table_and_plot(tmp_path):
     assert (tmp_path / "compare.png").stat().st_size > 1000
 
 
-# --- config ranges, and runs that must never be lost or mixed (issue 10, items 1-4 and 7) ---
+# --- config ranges, and runs that must never be lost or mixed (DESIGN.md section 12) ---
 
 @pytest.mark.parametrize("override,field", [("--micro_batch_size=0", "micro_batch_size"), ("--steps=-1", "steps"),
                                             ("--top_p=0", "top_p"), ("--max_new_tokens=0", "max_new_tokens"),
