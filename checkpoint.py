@@ -4,14 +4,24 @@ Everything here makes a run resumable and never lost, and none of it is the meth
 are written atomically (temp dir, then rename) with the config, step, predictor and sigma_hat state and provenance;
 a resume refuses a changed config or a checkpoint past --steps; metrics.jsonl survives a torn last line; a new run
 never mixes its files with another run's; every scalar also goes to TensorBoard and, when asked, W&B.
+
+A run folder (DESIGN.md section 12) is held by one run at a time: rank 0 holds an exclusive flock on out_dir/.lock
+for the life of the run (the kernel releases it when the process dies, so a lock left by kill -9 is free again), and
+out_dir/run.id names the run whose lineage the folder holds: every checkpoint's run.json carries it, and a resume
+into a folder of another run is refused.
 """
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
+import uuid
 
 import torch
 
@@ -42,16 +52,36 @@ def save(cfg, run, step: int) -> str:
         run.tok.save_pretrained(os.path.join(tmp, "policy"))
         state = {"config": dataclasses.asdict(cfg), "step": step, "predictor": run.predictor.state_dict(),
                  "method": run.method.state_dict(), "tokens": run.tokens,
-                 "sigma_hat": run.sigma_hat.state_dict(), **_provenance()}
+                 "sigma_hat": run.sigma_hat.state_dict(), "run_id": run_id(cfg.out_dir), **_provenance()}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(state, f)
         if hasattr(run.method, "save"):  # learned estimators: weights and optimizer state (learned.py)
             run.method.save(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        swap_in(tmp, final)
     accel.wait_for_everyone()
     return final
+
+
+def swap_in(tmp: str, final: str):
+    """Rename the complete folder tmp to final. An existing final is renamed aside first and deleted last, so a
+    complete checkpoint exists at every instant (recover_checkpoints puts an aside one back after a crash)."""
+    if os.path.exists(final):
+        os.replace(final, final + ".old")
+    os.replace(tmp, final)
+    if os.path.exists(final + ".old"):
+        shutil.rmtree(final + ".old")
+
+
+def recover_checkpoints(out_dir: str):
+    """After a crash inside swap_in: step_N.old whose step_N is missing is the complete checkpoint, put back."""
+    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        if name.startswith("step_") and name.endswith(".old"):
+            old, final = os.path.join(out_dir, name), os.path.join(out_dir, name[:-4])
+            if os.path.exists(final):
+                shutil.rmtree(old)
+            else:
+                os.replace(old, final)
+                print(f"{final}: restored from {name} (a save was interrupted)", flush=True)
 
 
 RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_tokens", "eval_size", "save_every", "out_dir",
@@ -61,8 +91,9 @@ RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_tokens", "
 def load(cfg, run) -> int:
     """Restore weights, optimizer, RNG, predictor and sigma_hat from cfg.resume; returns the step to continue from.
     Refuses a checkpoint written with a config that differs in anything that changes results, or past cfg.steps."""
-    with open(os.path.join(cfg.resume, "run.json")) as f:
-        state = json.load(f)
+    state = read_state(cfg.resume)
+    if not os.path.isdir(os.path.join(cfg.resume, "trainer")):
+        raise ValueError(f"{cfg.resume}: no trainer/ folder (weights, optimizer, RNG): not a complete checkpoint")
     diff = {k: (v, getattr(cfg, k)) for k, v in state["config"].items()
             if k not in RESUME_FREE and hasattr(cfg, k) and getattr(cfg, k) != v}
     if diff:
@@ -80,22 +111,103 @@ def load(cfg, run) -> int:
     return int(state["step"])
 
 
-RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "config.json", "learning_curve.png", "tb", "wandb")
+def read_state(ckpt: str) -> dict:
+    """A checkpoint's run.json; a missing or unreadable one is an error naming the file."""
+    path = os.path.join(ckpt, "run.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing: {ckpt} is not a checkpoint of this project (step_N/ with run.json)") \
+            from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e}): a truncated or corrupt checkpoint") from None
+    missing = [k for k in ("config", "step", "predictor", "sigma_hat", "method", "tokens") if k not in state]
+    if missing:
+        raise ValueError(f"{path}: missing field(s) {', '.join(missing)}: a truncated or corrupt checkpoint")
+    return state
+
+
+RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "config.json", "learning_curve.png", "tb", "wandb", "run.id")
+LOCK_FILE, RUN_ID_FILE = ".lock", "run.id"
+
+
+def lock_out_dir(out_dir: str) -> int:
+    """An exclusive flock on out_dir/.lock (its file descriptor), or a ValueError naming the run that holds it."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = open(path, encoding="utf-8", errors="replace").read().strip() or "another process"
+        os.close(fd)
+        raise ValueError(f"{out_dir} is in use by a running run ({holder}): wait for it to end, or choose another "
+                         "--out_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    return fd
+
+
+def run_id(out_dir: str) -> str:
+    path = os.path.join(out_dir, RUN_ID_FILE)
+    return open(path, encoding="utf-8").read().strip() if os.path.exists(path) else ""
+
+
+def is_run_folder(out_dir: str) -> bool:
+    """Written by this project: its run.id, a metrics.jsonl, or a checkpoint with run.json."""
+    return any(os.path.exists(os.path.join(out_dir, f)) for f in (RUN_ID_FILE, "metrics.jsonl")) or any(
+        os.path.exists(os.path.join(out_dir, f, "run.json")) for f in os.listdir(out_dir) if f.startswith("step_"))
 
 
 def prepare_out_dir(cfg):
     """A new run never mixes with another run's files: refuse a folder that holds one, unless --overwrite (which
-    removes that run's files) or --resume (which continues it)."""
+    removes that run's files) or --resume from a checkpoint of that folder's run (which continues it). --overwrite
+    never touches a folder this project did not write (a model folder's config.json, say)."""
+    recover_checkpoints(cfg.out_dir)
     found = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("step_") or f in RUN_FILES) \
         if os.path.isdir(cfg.out_dir) else []
-    if found and not cfg.resume:
+    state = read_state(cfg.resume) if cfg.resume else None
+    own = state is not None and found and _same_run(cfg, state)
+    if found and not own:
         if not cfg.overwrite:
-            raise ValueError(f"{cfg.out_dir} already holds a run ({', '.join(found[:4])}...): choose another "
-                             "--out_dir, continue it with --resume=DIR/step_N, or pass --overwrite to replace it")
+            what = (f"the run {run_id(cfg.out_dir) or '(no run.id)'}, not the lineage of {cfg.resume}" if state
+                    else f"a run ({', '.join(found[:4])}...)")
+            raise ValueError(f"{cfg.out_dir} already holds {what}: choose another --out_dir, continue it with "
+                             "--resume=DIR/step_N, or pass --overwrite to replace it")
+        if not is_run_folder(cfg.out_dir):
+            raise ValueError(f"{cfg.out_dir} holds {', '.join(found[:4])} but is not a run folder of this project "
+                             "(no run.id, metrics.jsonl or step_*/run.json): --overwrite refuses to delete them")
         for f in found:
             path = os.path.join(cfg.out_dir, f)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(cfg.out_dir, exist_ok=True)
+    if not run_id(cfg.out_dir):  # a new run, or a lineage continued in a new folder: its id names the folder
+        with open(os.path.join(cfg.out_dir, RUN_ID_FILE), "w", encoding="utf-8") as f:
+            f.write((state or {}).get("run_id") or uuid.uuid4().hex[:16])
+
+
+def _same_run(cfg, state: dict) -> bool:
+    """The checkpoint continues the run out_dir holds: same run id, or (checkpoints from before run ids) it lies
+    inside out_dir."""
+    if run_id(cfg.out_dir) and state.get("run_id"):
+        return run_id(cfg.out_dir) == state["run_id"]
+    return os.path.realpath(cfg.resume).startswith(os.path.realpath(cfg.out_dir) + os.sep)
+
+
+@contextlib.contextmanager
+def run_folder(cfg, main_process: bool = True):
+    """Hold out_dir for the life of the run (rank 0) and prepare it; released on exit, error or not."""
+    fd = lock_out_dir(cfg.out_dir) if main_process else None
+    try:
+        if main_process:
+            prepare_out_dir(cfg)  # before any model loads: a refused folder costs nothing
+        yield
+    finally:
+        if fd is not None:
+            if not run_id(cfg.out_dir):  # refused before it became a run folder: leave nothing of ours behind
+                os.remove(os.path.join(cfg.out_dir, LOCK_FILE))
+            os.close(fd)  # the flock goes with it
 
 
 def read_metrics(path: str) -> list:

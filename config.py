@@ -10,6 +10,7 @@ the documentation). Why a file of its own: three scripts share it, and none of t
 """
 import dataclasses
 import inspect
+import math
 import re
 import sys
 
@@ -53,11 +54,17 @@ def coerce(where: str, value: str, kind):
             raise ValueError(f"{where}: expected a boolean (true/false), got {value!r}")
         return value.lower() in ("1", "true", "yes")
     if kind is str:
-        return value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'" else value
+        text = value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'" else value
+        if text.startswith("--"):  # `--out_dir --steps=4`: the next flag taken as the value
+            raise ValueError(f"{where}: the value {text!r} looks like a flag; give the value as --key=value")
+        return text
     try:
-        return kind(value)
-    except ValueError:
+        out = kind(value)
+    except (ValueError, OverflowError):
         raise ValueError(f"{where}: expected {kind.__name__}, got {value!r}") from None
+    if kind is float and not math.isfinite(out):  # nan passes every range check and never equals itself on resume
+        raise ValueError(f"{where}: expected a finite number, got {value!r}")
+    return out
 
 
 def ordered_fields(cls) -> list:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import string
+import sys
 from dataclasses import dataclass
 
 import config
@@ -298,8 +299,21 @@ class Config:
                 ("max_context", self.max_context >= 2, ">= 2"), ("gen_batch_size", self.gen_batch_size >= 1, ">= 1")]
 
 
+def check_writable(path: str):
+    """Fail before the evaluation, not after it: the results file's folder is created and a probe file written."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8"):
+            pass
+        os.remove(path + ".tmp")
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot write there ({e.strerror})") from None
+
+
 def main(cfg: Config):
     import torch
+    if cfg.out:
+        check_writable(cfg.out)
     rows = []
     for path in cfg.data.split(","):
         rows += load_qa(path)[:cfg.limit or None]
@@ -326,4 +340,8 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    main(config.cli(Config, prog="eval.py", presets=False))
+    try:
+        main(config.cli(Config, prog="eval.py", presets=False))
+    except ValueError as e:
+        print(f"eval.py: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -153,7 +153,7 @@ class Config:
                     "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
                     "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0}
-        above = {"temperature": 0, "adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
+        above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
         unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                 [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
@@ -161,7 +161,10 @@ class Config:
                 [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
                  ("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
                  ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"),
-                 ("omega", math.isfinite(self.omega), "finite")] + self.baseline_checks())
+                 ("omega", math.isfinite(self.omega), "finite"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                 # below 1e-3, softmax(logits / T) is one-hot in float32: log-probs and entropies lose meaning
+                 ("temperature", self.temperature >= 1e-3, ">= 0.001 (greedy evaluation is eval.py's)")]
+                + self.baseline_checks())
 
     def baseline_checks(self) -> list:
         at_least = {"vine_k": 1, "hgpo_k": 0, "arpo_beam": 1, "tree_m": 1, "tree_l": 1, "estimator_lr_scale": 0,
@@ -451,8 +454,12 @@ def setup(cfg: Config) -> Run:
 
 
 def main(cfg: Config):
-    if int(os.environ.get("RANK", "0")) == 0:
-        checkpoint.prepare_out_dir(cfg)  # before any model loads: a refused folder costs nothing
+    """One run, holding its out_dir from start to end (checkpoint.run_folder: one run per folder at a time)."""
+    with checkpoint.run_folder(cfg, int(os.environ.get("RANK", "0")) == 0):
+        return train(cfg)
+
+
+def train(cfg: Config):
     run = setup(cfg)
     accel = run.accel
     eval_rows = [r for path in cfg.eval_data.split(",") if path for r in qa_eval.load_qa(path)]
