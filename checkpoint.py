@@ -85,7 +85,7 @@ def recover_checkpoints(out_dir: str):
 
 
 RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_tokens", "eval_size", "save_every", "out_dir",
-               "overwrite", "log_tensorboard", "log_wandb", "wandb_project"}
+               "overwrite", "log_tensorboard", "log_wandb", "wandb_project", "collective_timeout_h"}
 
 
 def load(cfg, run) -> int:

@@ -35,6 +35,7 @@ Launch:
   ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
       train_twice.py configs/demo.cfg                                      # 2 CPU ranks
 """
+import datetime
 import math
 import os
 import sys
@@ -127,6 +128,7 @@ class Config:
     max_weight_growth: float = 100.0  # diverged when the weight norm passes this x its start
     bf16: bool = False              # bf16 autocast (GPU)
     gradient_checkpointing: bool = False  # trade compute for memory (real models)
+    collective_timeout_h: float = 6.0  # hours a collective may wait for a rank before the run fails (torch: 10 min)
     # --- run ---
     seed: int = 0                   # run seed: prompt order, every sampling key, branch draws
     eval_every: int = 50            # steps between greedy evaluations (0 = only at the end)
@@ -153,7 +155,7 @@ class Config:
                     "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
                     "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0}
-        above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1}
+        above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1, "collective_timeout_h": 0}
         unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                 [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
@@ -248,8 +250,13 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
                     loss, kl, clipped = ppo_loss(cfg, lp, old_lp[micro, :w - 1], ref_lp[micro, :w - 1],
                                                  adv[micro, :w - 1], mask[micro, :w - 1], ent)
                     total = loss.sum() / n_tok
-                    if not torch.isfinite(total):
-                        raise diverged(step, "loss", total.item())
+                    # every rank learns of a non-finite loss on any rank, so all stop here together (no rank is
+                    # left waiting in the next collective)
+                    bad = int(accel.reduce(torch.tensor(float(not torch.isfinite(total)), device=accel.device),
+                                           "sum"))
+                    if bad:
+                        raise diverged(step, "loss", f"{total.item()} on rank {accel.process_index}; non-finite on "
+                                                     f"{bad} of {accel.num_processes} rank(s)")
                     # accelerate divides by n_micro, DDP averages ranks: undo both (a global token mean)
                     accel.backward(total * accel.num_processes * run.n_micro)
                     if accel.sync_gradients:
@@ -429,6 +436,7 @@ def weights_spread(accel, model) -> float:
 def setup(cfg: Config) -> Run:
     """Accelerator, policy (fp32 master weights), frozen reference, optimizer, retriever, data."""
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.prompts_per_step % world:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must divide over {world} processes")
@@ -436,8 +444,9 @@ def setup(cfg: Config) -> Run:
     if episodes_per_rank % cfg.mini_batches:
         raise ValueError(f"{episodes_per_rank} episodes per rank do not split into mini_batches={cfg.mini_batches}")
     n_micro = math.ceil(episodes_per_rank // cfg.mini_batches / cfg.micro_batch_size)
+    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=cfg.collective_timeout_h))
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", gradient_accumulation_steps=n_micro,
-                        cpu=not torch.cuda.is_available())
+                        cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
     torch.manual_seed(cfg.seed)
     policy, tok = qa_eval.load_policy(cfg.model, accel.device, torch.float32)
     ref, _ = qa_eval.load_policy(cfg.model, accel.device, torch.bfloat16 if cfg.bf16 else torch.float32)

@@ -139,6 +139,39 @@ def test_two_cpu_processes_stay_in_sync(tiny_world, tmp_path):
     assert len(rows) == 2 and all(r["weights_spread"] == 0.0 for r in rows)
 
 
+DRIVER = """import os, sys
+sys.path.insert(0, {root!r})
+import train_twice as tt
+real = tt.ppo_loss
+def rank_one_nan(cfg, lp, *args, **kw):  # a non-finite loss on rank 1 only
+    loss, kl, clipped = real(cfg, lp, *args, **kw)
+    return (loss * float("nan") if os.environ.get("RANK") == "1" else loss), kl, clipped
+tt.ppo_loss = rank_one_nan
+try:
+    tt.main(tt.config.cli(tt.Config, prog="train_twice.py"))
+except FloatingPointError as e:
+    print(f"rank {{os.environ['RANK']}} stopped: {{e}}", file=sys.stderr, flush=True)
+    raise SystemExit(3)
+"""
+
+
+def test_a_non_finite_loss_on_one_rank_stops_both_with_a_message(tiny_world, tmp_path):
+    """Rank 1's loss is NaN, rank 0's is not: both ranks stop at the same micro-batch naming it, nothing hangs in a
+    collective, and nothing is saved."""
+    out, driver = str(tmp_path / "ddp-nan"), tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(root=ROOT))
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(driver),
+           f"--world={tiny_world}", f"--out_dir={out}", *TINY, "--steps=2", "--eval_every=0", "--save_every=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"rank {rank} stopped: diverged at step 0: loss = " in proc.stderr, proc.stderr[-3000:]
+    assert "non-finite on 1 of 2 rank(s)" in proc.stderr
+    assert not [f for f in os.listdir(out) if f.startswith("step_")]
+
+
 def test_compare_runs_table_and_plot(tmp_path):
     """Two fake seeds per method: the table's means, token ratio and twin rates, computed by hand."""
     def run(name, omega, ems, tokens, twins=0, self_twins=0):
