@@ -14,8 +14,10 @@ Contract (DESIGN.md sections 3 and 10; Search-R1 compatible)
 - Score: s(q, d) = <e(q), e(d)> (cosine), top-k over all rows (IndexFlatIP), ties broken by row number.
 - Observation text: `format_docs`, Search-R1's `_passages2string` byte for byte.
 - Index folder: index.faiss (or the path of a prebuilt flat index, e.g. Search-R1's e5_Flat.index, which
-  `search_r1_index_dir` gives a folder beside it), offsets.npy, meta.json (encoder, prefixes, corpus fingerprint). A
-  folder that no longer matches its corpus is refused, naming what changed.
+  `search_r1_index_dir` gives a folder beside it, or in `twice_cache_dir()` where that is read-only), offsets.npy,
+  meta.json (encoder, prefixes, corpus fingerprint, the corpus path absolute and relative to the folder: the relative
+  one wins wherever it exists, so a copied world reads its own corpus). A folder that no longer matches its corpus is
+  refused, naming what changed; a damaged meta.json or offsets.npy is refused, naming the file and the field.
 - Client: `RemoteRetriever.search` posts {"queries": [...], "topk": k, "return_scores": true} to POST /retrieve of a
   Search-R1 compatible server (server.py's or Search-R1's own) and returns what `DenseRetriever.search` returns;
   refused connections and 5xx answers are retried, any other refusal is raised at once.
@@ -64,6 +66,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -72,6 +75,7 @@ from collections import OrderedDict
 import faiss
 import numpy as np
 import requests
+import tokenizers
 import torch
 from tqdm import tqdm
 from transformers import AutoModel, AutoTokenizer
@@ -88,6 +92,12 @@ PACK_TOKENS = 128  # token rows of every packed query forward, Determinism (1a);
 QUERY_ROWS = 8  # rows of every padded query forward, Determinism (1b)
 LENGTH_STEP = 8  # (1b): query token lengths are padded up to a multiple of this: fewer shapes, fuller batches
 MAX_QUERIES = 10_000  # queries per request (Search-R1's trainer sends <= 512 x 5 per turn), DEVIATION S10
+MAX_QUERY_BYTES = 16 << 10  # UTF-8 bytes per query the server accepts, DEVIATION S15: a query is read up to
+#   MAX_LENGTH tokens, and 256 tokens of any natural text take well under 16 KiB (English ~4.5 bytes per wordpiece,
+#   CJK 3), so no real query is refused; eight 1 MB ones grew the server by ~420 MB (tokenized whole, then cut)
+TOKENIZE_CHUNK = 64  # queries tokenized per call (`Encoder.query_features`)
+CACHE_BYTES = 256 << 20  # bytes of answers the cache holds (queries and documents, as Python objects); ~100,000
+#   wiki-18 top-3 answers, the entry bound's default
 INDEX_FILE, OFFSETS_FILE, META_FILE = "index.faiss", "offsets.npy", "meta.json"
 
 
@@ -117,8 +127,9 @@ def format_docs(docs: list) -> str:
     return out
 
 
-def check_queries(queries, max_queries: int = MAX_QUERIES) -> list:
-    """A list of at most max_queries strings (empty ones too: Search-R1's trainer sends them), else ValueError."""
+def check_queries(queries, max_queries: int = MAX_QUERIES, max_query_bytes=None) -> list:
+    """A list of at most max_queries strings (empty ones too: Search-R1's trainer sends them), each of at most
+    max_query_bytes UTF-8 bytes (None: any length), else ValueError naming the query."""
     if not isinstance(queries, (list, tuple)):
         raise ValueError("field 'queries' must be a list of strings")
     if len(queries) > max_queries:  # DEVIATION S10: a clear refusal instead of minutes of encoding
@@ -128,10 +139,14 @@ def check_queries(queries, max_queries: int = MAX_QUERIES) -> list:
         if not isinstance(query, str):
             raise ValueError(f"field 'queries'[{i}] must be a string, got {str(query)[:40]!r}")
         try:
-            query.encode("utf-8")
+            size = len(query.encode("utf-8"))
         except UnicodeEncodeError:  # DEVIATION S11: the tokenizer would fail (Search-R1: 500, and clients retry)
             raise ValueError(f"field 'queries'[{i}] is not valid Unicode (a lone surrogate?): "
                              f"{query[:40]!r}") from None
+        if max_query_bytes is not None and size > max_query_bytes:  # DEVIATION S15, server.py
+            raise ValueError(f"field 'queries'[{i}] is {size} bytes long (UTF-8), at most {max_query_bytes} per query "
+                             f"(only its first {MAX_LENGTH} tokens are read); shorten it, or start the server with a "
+                             "larger --max_query_bytes")
     return list(queries)
 
 
@@ -171,36 +186,63 @@ class Encoder:
         self.packed = (self.device.type == "cpu" and dtype == torch.float32 and config.model_type == "bert"
                        and getattr(config, "position_embedding_type", "absolute") == "absolute")
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer called from two threads fails ("Already borrowed")
+        self._query_tokenizer = None  # queries: a backend copy set up once, called from any thread without a lock
+        if self.tokenizer.is_fast:  # the call of `self.tokenizer(texts, max_length=, truncation=True)`, fixed once
+            backend = tokenizers.Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+            backend.enable_truncation(max_length, stride=0, strategy="longest_first",
+                                      direction=self.tokenizer.truncation_side)
+            backend.no_padding()
+            backend.encode_special_tokens = self.tokenizer.split_special_tokens
+            self._query_tokenizer = backend
 
     def encode(self, texts: list, kind: str) -> np.ndarray:
         if kind not in ("query", "passage"):
             raise ValueError(f"kind must be 'query' or 'passage', got {kind!r}")
-        texts = [(self.query_prefix if kind == "query" else self.passage_prefix) + t for t in texts]
-        out = np.empty((len(texts), self.dim), np.float32)
         if kind == "query":
-            return self._encode_queries(texts, out)
+            return self.encode_tokens(self.query_features(texts))
+        texts = [self.passage_prefix + t for t in texts]
+        out = np.empty((len(texts), self.dim), np.float32)
         order = np.argsort([len(t) for t in texts], kind="stable")  # similar lengths together: less padding
         for start in range(0, len(texts), self.batch_size):
             rows = order[start:start + self.batch_size]
             out[rows] = self._embed([texts[i] for i in rows])
         return out
 
-    def query_tokens(self, queries: list) -> list:
-        """Token count of each query as encoded (prefix, truncation): the server's measure of a round."""
-        with self._tokenizer_lock:
-            ids = self.tokenizer([self.query_prefix + q for q in queries], max_length=self.max_length, truncation=True)
-        return [len(x) for x in ids["input_ids"]]
+    def query_features(self, queries: list) -> list:
+        """Each query as encoded (prefix, truncation at max_length) -> (token ids, token type ids or None when all 0),
+        int32 arrays: what `encode_tokens` takes. Thread safe without a lock (a fast tokenizer; the GIL is released),
+        so the server tokenizes each request once, in the request's own thread."""
+        texts = [self.query_prefix + q for q in queries]
+        if self._query_tokenizer is not None:  # in chunks: a text is tokenized whole before truncation, so 1000
+            #   queries of 16 KiB at once held ~430 MB of tokens for a moment (and the process kept it); 64: ~30 MB
+            pairs = [(e.ids, e.type_ids) for start in range(0, len(texts), TOKENIZE_CHUNK)
+                     for e in self._query_tokenizer.encode_batch(texts[start:start + TOKENIZE_CHUNK])]
+        else:
+            with self._tokenizer_lock:
+                features = self.tokenizer(texts, max_length=self.max_length, truncation=True,
+                                          return_token_type_ids=True)
+            pairs = list(zip(features["input_ids"], features["token_type_ids"]))
+        return [(array.array("i", ids), array.array("i", types) if any(types) else None) for ids, types in pairs]
 
-    def _encode_queries(self, texts: list, out: np.ndarray) -> np.ndarray:
-        """Determinism (1): a query's forward has a shape of its own, whatever queries come with it."""
-        with self._tokenizer_lock:
-            features = self.tokenizer(texts, max_length=self.max_length, truncation=True)
+    def query_tokens(self, queries: list) -> list:
+        """Token count of each query as encoded (prefix, truncation)."""
+        return [len(ids) for ids, _ in self.query_features(queries)]
+
+    def encode_tokens(self, features: list) -> np.ndarray:
+        """Determinism (1): query features (`query_features`) -> unit vectors (n, dim); a query's forward has a shape
+        of its own, whatever queries come with it."""
+        out = np.empty((len(features), self.dim), np.float32)
         if self.packed:
-            ids = features["input_ids"]
+            ids = [list(x) for x, _ in features]
             for pack in pack_queries([len(x) for x in ids], PACK_TOKENS):
                 out[pack] = self._forward_packed([ids[i] for i in pack])
             return out
-        rows = [{key: values[i] for key, values in features.items()} for i in range(len(texts))]
+        names = self.tokenizer.model_input_names  # the keys `self.tokenizer(...)` returns
+        rows = []
+        for ids, types in features:
+            row = {"input_ids": list(ids), "token_type_ids": list(types) if types else [0] * len(ids),
+                   "attention_mask": [1] * len(ids)}  # one unpadded sequence: every token attended
+            rows.append({key: value for key, value in row.items() if key == "input_ids" or key in names})
         buckets = collections.defaultdict(list)  # (1b): padded length -> indices of texts
         for i, row in enumerate(rows):
             length = len(row["input_ids"])
@@ -390,24 +432,86 @@ def describe_prebuilt(index_file: str, corpus: str, encoder: str = E5, *, out_di
     return meta
 
 
+META_FIELDS = {"encoder": str, "encoder_resolved": str, "query_prefix": str, "passage_prefix": str, "max_length": int,
+               "dim": int, "n_rows": int, "index_file": str, "corpus": str, "corpus_fingerprint": dict}
+FINGERPRINT_FIELDS = {"size": int, "sha256_head": str, "sha256_tail": str, "rows": int}
+
+
+def read_meta(meta_path: str) -> dict:
+    """An index folder's meta.json -> dict; ValueError naming the file and every bad or missing field otherwise."""
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{meta_path}: not valid JSON ({e}); rebuild the index folder") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}; rebuild the index folder")
+
+    def bad(record, fields, prefix=""):
+        return [f"'{prefix}{key}' " + ("missing" if key not in record else
+                                      f"is {json.dumps(record[key])[:40]}, expected a {kind.__name__}")
+                for key, kind in fields.items()
+                if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool)]
+    problems = bad(meta, META_FIELDS)
+    if isinstance(meta.get("corpus_fingerprint"), dict):
+        problems += bad(meta["corpus_fingerprint"], FINGERPRINT_FIELDS, "corpus_fingerprint.")
+    if "corpus_relative" in meta and not isinstance(meta["corpus_relative"], str):
+        problems.append(f"'corpus_relative' is {json.dumps(meta['corpus_relative'])[:40]}, expected a str")
+    if isinstance(meta.get("n_rows"), int) and meta["n_rows"] < 1:
+        problems.append(f"'n_rows' is {meta['n_rows']}, expected at least 1")
+    if problems:
+        raise ValueError(f"{meta_path}: {'; '.join(problems)}; rebuild the index folder")
+    return meta
+
+
+def read_offsets(offsets_path: str, meta_path: str, n_rows: int) -> np.ndarray:
+    """offsets.npy -> int64 array of n_rows increasing byte offsets; ValueError naming the file otherwise."""
+    try:
+        offsets = np.load(offsets_path, allow_pickle=False)  # never unpickle: an object array is refused
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{offsets_path}: not a readable .npy array ({e}); rebuild the index folder") from None
+    if not isinstance(offsets, np.ndarray) or offsets.ndim != 1 or offsets.dtype.kind not in "iu":
+        what = (f"{offsets.dtype} array of shape {offsets.shape}" if isinstance(offsets, np.ndarray)
+                else type(offsets).__name__)
+        raise ValueError(f"{offsets_path}: expected a 1-d integer array of byte offsets, got a {what}; rebuild the "
+                         "index folder")
+    if len(offsets) != n_rows:
+        raise ValueError(f"{offsets_path} has {len(offsets)} rows but {meta_path} says {n_rows}")
+    offsets = offsets.astype(np.int64, copy=False)
+    if offsets[0] < 0 or (np.diff(offsets) <= 0).any():
+        raise ValueError(f"{offsets_path}: byte offsets must start at 0 or later and increase; rebuild the index "
+                         "folder")
+    return offsets
+
+
+def corpus_of(index_dir: str, meta: dict) -> str:
+    """The corpus an index folder reads when none is given: its path relative to the folder (`corpus_relative`, or a
+    relative `corpus`) wherever that file exists, so a copied or moved world reads its own corpus, not the original's;
+    else the recorded absolute path (an index folder copied without its corpus; meta.json files from before
+    `corpus_relative`). Either way the fingerprint check decides whether it matches."""
+    base = os.path.abspath(index_dir)
+    if not os.path.isabs(meta["corpus"]):
+        return os.path.normpath(os.path.join(base, meta["corpus"]))
+    if meta.get("corpus_relative"):
+        near = os.path.normpath(os.path.join(base, meta["corpus_relative"]))
+        if os.path.exists(near):
+            return near
+    return meta["corpus"]
+
+
 def load_index_dir(index_dir: str, corpus=None) -> tuple:
     """Check an index folder against its corpus -> (meta, offsets, corpus path, index path); clear errors if stale."""
     meta_path, offsets_path = os.path.join(index_dir, META_FILE), os.path.join(index_dir, OFFSETS_FILE)
     missing = [p for p in (meta_path, offsets_path) if not os.path.exists(p)]
     if missing:
         raise FileNotFoundError(f"index folder {index_dir} is incomplete, missing {missing}; rebuild it")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    meta = read_meta(meta_path)
     index_path = os.path.join(index_dir, meta["index_file"])  # an absolute index_file (prebuilt) stays as is
-    if not corpus:  # the recorded absolute path, else the path relative to the index (a moved world folder)
-        rel = os.path.join(index_dir, meta["corpus_relative"]) if meta.get("corpus_relative") else None
-        corpus = rel if not os.path.exists(meta["corpus"]) and rel and os.path.exists(rel) else meta["corpus"]
+    corpus = corpus or corpus_of(index_dir, meta)
     for path, what in ((index_path, f"index file named in {meta_path}"), (corpus, "corpus")):
         if not os.path.exists(path):
             raise FileNotFoundError(f"{what} {path} not found (pass corpus=/--corpus if the corpus moved)")
-    offsets = np.load(offsets_path)
-    if len(offsets) != meta["n_rows"]:
-        raise ValueError(f"{offsets_path} has {len(offsets)} rows but {meta_path} says {meta['n_rows']}")
+    offsets = read_offsets(offsets_path, meta_path, meta["n_rows"])
     recorded, actual = meta["corpus_fingerprint"], corpus_fingerprint(corpus, meta["n_rows"])
     diffs = [f"{k} {actual[k]} != {recorded[k]} recorded" for k in ("size", "sha256_head", "sha256_tail")
              if actual[k] != recorded[k]]
@@ -425,20 +529,53 @@ def search_r1_prefixes(retriever_name: str) -> tuple:
     return ("Represent this sentence for searching relevant passages: " if "bge" in name else ""), ""
 
 
+def twice_cache_dir() -> str:
+    """Where derived index folders go when the index file's own folder is read-only: $TWICE_CACHE, else
+    $XDG_CACHE_HOME/twice, else ~/.cache/twice."""
+    return os.environ.get("TWICE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "twice")
+
+
+def _writable(folder: str):
+    """None if a file can be created in `folder` (made if missing), else the OSError's text (EROFS, EACCES, ...)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def search_r1_index_dir(index_path: str, corpus: str, encoder: str, retriever_name: str) -> str:
     """Search-R1 passes an index *file*; ours is a folder (meta, offsets). A file gets the folder `<file>.twice` beside
-    it, described once (one scan of the corpus, nothing encoded) and reused while it records the same inputs."""
+    it, described once (one scan of the corpus, nothing encoded) and reused while it records the same inputs. Where
+    the index file's folder is read-only (shared or mounted storage) the folder goes to the cache instead
+    (`twice_cache_dir()`/<file name>-<hash of its path, size and mtime>); nothing is written beside the file then."""
     if os.path.isdir(index_path):
         return index_path
-    out, prefixes = index_path + ".twice", search_r1_prefixes(retriever_name)
+    prefixes, stat = search_r1_prefixes(retriever_name), os.stat(index_path)
     wanted = (os.path.abspath(index_path), encoder, *prefixes, os.path.abspath(corpus))
-    if os.path.exists(os.path.join(out, META_FILE)):
-        with open(os.path.join(out, META_FILE)) as f:
-            meta = json.load(f)
-        if tuple(meta[k] for k in ("index_file", "encoder", "query_prefix", "passage_prefix", "corpus")) == wanted:
+    key = hashlib.sha256(f"{wanted[0]}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    places = (index_path + ".twice", os.path.join(twice_cache_dir(), f"{os.path.basename(index_path)}-{key}"))
+    for out in places:
+        try:
+            meta = read_meta(os.path.join(out, META_FILE)) if os.path.exists(os.path.join(out, META_FILE)) else None
+        except ValueError:  # a damaged derived folder is described again
+            meta = None
+        if meta and tuple(meta[k] for k in ("index_file", "encoder", "query_prefix", "passage_prefix",
+                                            "corpus")) == wanted:
             return out
-    describe_prebuilt(index_path, corpus, encoder, out_dir=out, query_prefix=prefixes[0], passage_prefix=prefixes[1])
-    return out
+    errors = []
+    for out in places:  # checked before the corpus scan (minutes for wiki-18), not after it
+        error = _writable(os.path.dirname(os.path.abspath(out)))
+        if error is None:
+            describe_prebuilt(index_path, corpus, encoder, out_dir=out, query_prefix=prefixes[0],
+                              passage_prefix=prefixes[1])
+            return out
+        errors.append(f"{out} ({error})")
+    raise OSError(f"the index file {index_path} needs an index folder (offsets and meta, about 8 bytes "
+                  f"per corpus row) and none of these places is writable: {'; '.join(errors)}. Set TWICE_CACHE to a "
+                  "writable folder, or run `retriever.py describe-prebuilt` and pass the folder as --index_path")
 
 
 def load_vectors(index_path: str, meta: dict, gpu: bool) -> tuple:
@@ -468,11 +605,17 @@ def exact_top(rows: np.ndarray, products: np.ndarray, topk: int) -> tuple:
     return rows[best], scores[best]
 
 
+def _bytes(key: tuple, docs: list) -> int:
+    """What a cache entry holds, as Python objects: its query string and each document's strings, dict and score."""
+    return (sys.getsizeof(key[0]) + sys.getsizeof(key) + sys.getsizeof(docs)
+            + sum(sys.getsizeof(d["id"]) + sys.getsizeof(d["contents"]) + sys.getsizeof(d) + 24 for d in docs))
+
+
 class DenseRetriever:
     """In-process retriever over an index folder; `search` is thread safe and a pure function of each query."""
 
     def __init__(self, index_dir: str, device=None, cache_size: int = 100_000, corpus=None, fp16: bool = False,
-                 faiss_gpu=None):
+                 faiss_gpu=None, cache_bytes: int = CACHE_BYTES):
         self.meta, self.offsets, self.corpus, index_path = load_index_dir(index_dir, corpus)
         self.n_rows = len(self.offsets)
         gpu = torch.cuda.is_available() and faiss.get_num_gpus() > 0 and device != "cpu"
@@ -489,7 +632,8 @@ class DenseRetriever:
         if self.encoder.dim != self.meta["dim"]:
             raise ValueError(f"encoder {self.meta['encoder']} gives {self.encoder.dim}-d vectors, {index_path} holds "
                              f"{self.meta['dim']}-d ones")
-        self.cache_size, self._cache = cache_size, OrderedDict()  # (query, topk) -> docs, least recent first
+        self.cache_size, self._cache = cache_size, OrderedDict()  # (query, topk) -> (docs, bytes), oldest first
+        self.cache_bytes, self.cache_used = cache_bytes, 0  # the cache's byte budget, and what it holds (`_bytes`)
         self.cache_hits = self.cache_misses = 0  # per distinct (query, topk) of each call
         self._cache_lock = threading.Lock()  # held for lookups only: a cache hit never waits for an encoding
         self._index_lock = threading.Lock()  # FAISS's GPU indexes are not thread safe; the encoder is
@@ -512,18 +656,23 @@ class DenseRetriever:
             raise ValueError(f"topk must be a positive integer, got {topk!r}")
         return self.search_batch([(query, topk) for query in queries])
 
-    def search_batch(self, items: list) -> list:
-        """[(query, topk), ...] -> docs per item; the server's path too, so both give identical results."""
+    def search_batch(self, items: list, features=None) -> list:
+        """[(query, topk), ...] -> docs per item; the server's path too, so both give identical results. features:
+        each item's query as `Encoder.query_features` gives it (the server tokenizes once, as a request arrives)."""
         keys, found = list(dict.fromkeys(items)), {}
         with self._cache_lock:
             for key in keys:
                 if key in self._cache:
                     self._cache.move_to_end(key)
-                    found[key] = self._cache[key]
+                    found[key] = self._cache[key][0]
             misses = [key for key in keys if key not in found]
             self.cache_hits, self.cache_misses = self.cache_hits + len(found), self.cache_misses + len(misses)
         if misses:
-            vecs = self.encoder.encode([query for query, _ in misses], "query")  # the server's workers: at once
+            if features is None:
+                vecs = self.encoder.encode([query for query, _ in misses], "query")  # the server's workers: at once
+            else:
+                of = dict(zip(items, features))
+                vecs = self.encoder.encode_tokens([of[key] for key in misses])
             by_topk = collections.defaultdict(list)  # one FAISS call per topk: k = topk + margin as alone
             for i, (_, topk) in enumerate(misses):
                 by_topk[topk].append(i)
@@ -548,10 +697,14 @@ class DenseRetriever:
         return results
 
     def _remember(self, key, docs: list) -> list:
-        if self.cache_size > 0:
-            self._cache[key] = docs
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+        """Cache an answer, least recently used out first, within both bounds: cache_size entries, cache_bytes bytes
+        (entries alone let a few huge queries, or huge documents, hold gigabytes)."""
+        size = _bytes(key, docs)
+        if self.cache_size > 0 and size <= self.cache_bytes and key not in self._cache:
+            self._cache[key] = (docs, size)
+            self.cache_used += size
+            while len(self._cache) > self.cache_size or self.cache_used > self.cache_bytes:
+                self.cache_used -= self._cache.popitem(last=False)[1][1]
         return docs
 
     def close(self):
@@ -595,6 +748,16 @@ class RemoteRetriever:
         raise RuntimeError(f"retriever {self.url} failed after {self.retries + 1} attempts; last error: {error}")
 
 
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, ranges: dict):
+    """Refuse (exit status 2, naming the flag) any numeric flag outside its range, before anything is loaded.
+    ranges: flag name -> (lowest, highest or None, what else to say)."""
+    for name, (low, high, hint) in ranges.items():
+        value = getattr(args, name, None)
+        if value is not None and not (low <= value and (high is None or value <= high)):
+            within = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            parser.error(f"--{name} must be an integer {within}, got {value}{hint}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Dense retriever: build an index, describe a prebuilt one, search "
                                                  "it (serve it: server.py).")
@@ -621,7 +784,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for p in (build, search):
         p.add_argument("--device", default=None, help="default: cuda if any, else cpu")
         p.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_flags(parser, args, {"batch_size": (1, None, ""), "max_length": (1, None, ""), "topk": (1, None, "")})
+    return args
 
 
 def main(argv=None):

@@ -10,7 +10,8 @@ Contract (DESIGN.md sections 3, 10 and 12; Search-R1 compatible)
   GET /health -> {"status": "ok", "n_rows": N}. As in Search-R1, "queries": [] answers {"result": []} and "" is a query
   like any other. Served by uvicorn (as Search-R1); `--workers` encoder threads (default: CPU cores // torch threads,
   1 on a GPU) each take a round of the waiting requests' queries (ROUND_TOKENS tokens), round-robin, SLICE_QUERIES
-  at a time, so concurrent requests share forwards and a huge one does not stall the rest.
+  at a time, so concurrent requests share forwards and a huge one does not stall the rest. A request is tokenized
+  once, in its own thread and without a lock; the encoder threads get its tokens.
 - Load bench (`bench`): a server started in a child process (or the one at --url) gets `clients` threads of
   `requests` requests of distinct queries each, then one big request with a 1-query request every 0.5 s beside it;
   every answer is then checked against in-process search. Measured figures: RESULTS.md.
@@ -28,6 +29,13 @@ S12. A request head must arrive within HEAD_TIMEOUT s and its body within BODY_T
      uvicorn alone waits for ever. JSON nested too deeply for the parser gets 400.
 S13. It listens on 127.0.0.1 unless --host 0.0.0.0 is given (Search-R1 always binds 0.0.0.0), and the encoder runs
      in float32 unless --fp16 is given (Search-R1's launcher always uses fp16).
+S15. A query over MAX_QUERY_BYTES (16 KiB of UTF-8; --max_query_bytes) gets 400 naming it and the cap: only its first
+     256 tokens are read, but the tokenizer reads it whole. Search-R1 has no cap.
+S16. At most --max_connections connections are open (default: what the descriptor limit, ulimit -n, leaves); a new
+     one past that gets 503 and is closed at once, and out of descriptors, accepting pauses with one log line per
+     LOG_INTERVAL. A request whose client closes its connection before the answer is dropped from the queue.
+     Search-R1 (uvicorn alone) logs a traceback per failed accept and computes abandoned requests to the end.
+Every numeric flag is range-checked at startup (exit status 2, naming the flag), before the index is loaded.
 
 Commands (building an index: retriever.py)
   # tiny world (CPU)
@@ -45,8 +53,11 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import errno
 import gc
 import json
+import logging
+import math
 import os
 import socket
 import subprocess
@@ -64,7 +75,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from retriever import E5, MAX_QUERIES, PACK_TOKENS, TOPK, DenseRetriever, check_queries, search_r1_index_dir
+from retriever import (CACHE_BYTES, E5, MAX_QUERIES, MAX_QUERY_BYTES, PACK_TOKENS, TOPK, DenseRetriever, check_flags,
+                       check_queries, search_r1_index_dir)
 
 MAX_TOPK = 100  # largest topk the server accepts
 MAX_BODY_BYTES = 16 << 20  # largest request body the server reads
@@ -74,15 +86,21 @@ ROUND_TOKENS = 2 * PACK_TOKENS - 8  # query tokens encoded together per round, a
 #   full on the benchmark's queries, against 82% for rounds of 16 queries (64: 91%, but 4x longer waits)
 BACKLOG = 2048  # listen queue (uvicorn's default; http.server's 5 dropped SYNs: 1 s retransmit tails)
 HEAD_TIMEOUT, BODY_TIMEOUT = 30.0, 60.0  # seconds a client may take to send a request head, then its body
+FD_RESERVE = 32  # descriptors kept free beside the connection cap: the event loop's own, a refusal's, log files
+LOG_INTERVAL = 5.0  # seconds between two log lines of one kind (refused connections, descriptor exhaustion)
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # accept errors asyncio pauses on
+ACCEPT_PAUSE = 1.0  # seconds asyncio stops accepting after one of them (asyncio.constants.ACCEPT_RETRY_DELAY)
+LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log (level warning): one stream for the server
 
 
 # --- HTTP server (Search-R1's POST /retrieve) ---
 
-def parse_request(payload, default_topk: int = TOPK, max_queries: int = MAX_QUERIES) -> tuple:
+def parse_request(payload, default_topk: int = TOPK, max_queries: int = MAX_QUERIES,
+                  max_query_bytes: int = MAX_QUERY_BYTES) -> tuple:
     """A /retrieve body -> (queries, topk, return_scores); ValueError naming the bad field."""
     if not isinstance(payload, dict):
         raise ValueError("the request body must be a JSON object")
-    queries = check_queries(payload.get("queries"), max_queries)
+    queries = check_queries(payload.get("queries"), max_queries, max_query_bytes)  # DEVIATION S15: bytes capped
     topk = default_topk if payload.get("topk") is None else payload["topk"]
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"field 'topk' must be an integer in [1, {MAX_TOPK}], got {topk!r}")
@@ -92,14 +110,15 @@ def parse_request(payload, default_topk: int = TOPK, max_queries: int = MAX_QUER
     return queries, topk, return_scores
 
 
-def parse_body(body: bytes, default_topk: int = TOPK, max_queries: int = MAX_QUERIES) -> tuple:
+def parse_body(body: bytes, default_topk: int = TOPK, max_queries: int = MAX_QUERIES,
+               max_query_bytes: int = MAX_QUERY_BYTES) -> tuple:
     try:
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"the request body is not valid JSON ({e})") from None
     except RecursionError:  # DEVIATION S12: the connection used to die with no reply
         raise ValueError("the request body is JSON nested too deeply") from None
-    return parse_request(payload, default_topk, max_queries)
+    return parse_request(payload, default_topk, max_queries, max_query_bytes)
 
 
 def _wire(doc: dict, return_scores: bool) -> dict:
@@ -110,11 +129,12 @@ def _wire(doc: dict, return_scores: bool) -> dict:
 
 
 class Job:
-    """One request's queries, answered slice by slice."""
+    """One request's queries, answered slice by slice; a cancelled future (its client left) drops what is left."""
 
-    def __init__(self, queries: list, topk: int, costs: list):
+    def __init__(self, queries: list, topk: int, costs: list, features=None):
         self.items, self.done, self.next = [(query, topk) for query in queries], [None] * len(queries), 0
         self.costs = costs  # per query, in the units of the round budget (tokens)
+        self.features = features  # per query, its tokens (Encoder.query_features), or None: the retriever tokenizes
         self.left = len(queries)  # queries not answered yet: with several workers, slices finish in any order
         self.future = concurrent.futures.Future()
 
@@ -124,19 +144,27 @@ class Batcher:
     SLICE_QUERIES queries from each waiting request in turn (round-robin), until the next one would pass the round's
     budget (`round_cost`; cost(queries) gives each one's, e.g. its tokens; default 1), and searches them together:
     concurrent requests share forwards, and a request of thousands of queries is split so that small ones interleave
-    with it. An idle worker starts a round beside a busy one only once a full round waits."""
+    with it. An idle worker starts a round beside a busy one only once a full round waits. With `tokenize`
+    (Encoder.query_features) a request is tokenized once, in the submitting thread: its costs are its token counts
+    and the retriever gets the tokens. A request whose future is cancelled (its client left) is dropped unsearched."""
 
     def __init__(self, retriever, slice_queries: int = SLICE_QUERIES, round_cost: int = ROUND_TOKENS, workers: int = 1,
-                 cost=None):
+                 cost=None, tokenize=None):
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}: with none, requests wait for ever")
         self.retriever, self.slice, self.round, self.workers = retriever, slice_queries, round_cost, workers
-        self.cost = cost or (lambda queries: [1] * len(queries))
+        self.cost, self.tokenize = cost or (lambda queries: [1] * len(queries)), tokenize
         self._waiting, self._wake, self._closed = collections.deque(), threading.Condition(), False
         self._queued = self._idle = 0  # cost (tokens) of the queries not yet taken; workers waiting for a round
         for i in range(workers):
             threading.Thread(target=self._loop, daemon=True, name=f"retriever-batcher-{i}").start()
 
     def submit(self, queries: list, topk: int) -> concurrent.futures.Future:
-        job = Job(queries, topk, self.cost(queries) if queries else [])
+        if self.tokenize is not None and queries:  # here, in the request's thread, outside every lock
+            features = self.tokenize(queries)
+            job = Job(queries, topk, [len(ids) for ids, _ in features], features)
+        else:
+            job = Job(queries, topk, self.cost(queries) if queries else [])
         if not queries:  # Search-R1's trainer sends [] when no rollout searched
             job.future.set_result([])
             return job.future
@@ -162,6 +190,10 @@ class Batcher:
             self._idle -= 1
             while self._waiting:
                 job = self._waiting[0]
+                if job.future.cancelled():  # its client is gone: nobody would read the answer
+                    self._waiting.popleft()
+                    self._queued -= sum(job.costs[job.next:])
+                    continue
                 start = end = job.next
                 stop = min(start + self.slice, len(job.items))
                 while end < stop and (job.costs[end] <= budget or not taken and end == start):  # one query at least
@@ -182,22 +214,40 @@ class Batcher:
     def _loop(self):
         while not self._closed:
             taken = self._next_round()
-            if not taken:  # closed
+            if not taken:  # closed, or only cancelled requests were waiting
                 continue
+            items = [item for job, a, b in taken for item in job.items[a:b]]
             try:
-                docs = self.retriever.search_batch([item for job, a, b in taken for item in job.items[a:b]])
+                if self.tokenize is None:
+                    docs = self.retriever.search_batch(items)
+                else:
+                    features = [f for job, a, b in taken for f in job.features[a:b]]
+                    for job, a, b in taken:
+                        job.features[a:b] = [None] * (b - a)  # searched: the tokens are not needed again
+                    docs = self.retriever.search_batch(items, features)
             except Exception as e:  # keep serving; these requests see why
                 with self._wake:
                     for job, _, _ in taken:
-                        if not job.future.done():
-                            job.future.set_exception(e)
+                        _settle(job.future, error=e)
                 continue
             with self._wake:
                 for job, start, end in taken:
                     job.done[start:end], docs = docs[:end - start], docs[end - start:]
                     job.left -= end - start
-                    if job.left == 0 and not job.future.done():
-                        job.future.set_result(job.done)
+                    if job.left == 0:
+                        _settle(job.future, job.done)
+
+
+def _settle(future: concurrent.futures.Future, result=None, error=None):
+    """Set a request's answer unless it is settled already: the event loop cancels it whenever its client leaves."""
+    try:
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+    except concurrent.futures.InvalidStateError:  # cancelled between done() and set_*
+        pass
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -218,10 +268,19 @@ async def _read_body(request: Request) -> bytes:
     return bytes(body)
 
 
+async def _client_gone(request: Request):
+    """Returns once the client has closed its connection. Once the body is read, uvicorn's `receive` only answers
+    "http.disconnect" (connection lost, or the response sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_queries: int = MAX_QUERIES,
-             body_timeout: float = BODY_TIMEOUT) -> Starlette:
-    """The ASGI app: POST /retrieve, GET /health, a JSON 404 elsewhere. CPU work (parsing, searching, writing the
-    answer) runs off the event loop, so slow or huge requests never hold up the others' I/O."""
+             body_timeout: float = BODY_TIMEOUT, max_query_bytes: int = MAX_QUERY_BYTES) -> Starlette:
+    """The ASGI app: POST /retrieve, GET /health, a JSON 404 elsewhere. CPU work (parsing, tokenizing, searching,
+    writing the answer) runs off the event loop, so slow or huge requests never hold up the others' I/O. A request
+    whose client closes the connection before its answer is cancelled: what the encoder has not yet taken is dropped
+    (DEVIATION S16)."""
 
     async def retrieve(request: Request) -> Response:
         try:
@@ -233,15 +292,22 @@ def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_querie
         loop = asyncio.get_running_loop()
 
         def parse_and_submit() -> tuple:  # submitting tokenizes the queries (the rounds' measure)
-            queries, topk, return_scores = parse_body(body, default_topk, max_queries)
+            queries, topk, return_scores = parse_body(body, default_topk, max_queries, max_query_bytes)
             return batcher.submit(queries, topk), return_scores
 
         try:
             answered, return_scores = await loop.run_in_executor(None, parse_and_submit)
         except ValueError as e:  # DEVIATION S3: 400 naming the field (FastAPI: 422 in its own shape)
             return _error(400, str(e))
+        answer, gone = asyncio.wrap_future(answered), asyncio.ensure_future(_client_gone(request))
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not answer.done():  # nobody would read it: the batcher drops a cancelled request's queries
+            answered.cancel()
+            answer.cancel()
+            return _error(499, "the client closed the connection before the answer")
         try:
-            results = await asyncio.wrap_future(answered)
+            results = answer.result()
         except Exception as e:  # keep serving; the client sees why
             return _error(500, f"{type(e).__name__}: {e}")
         data = await loop.run_in_executor(None, lambda: json.dumps(
@@ -258,10 +324,102 @@ def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_querie
                              Route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "HEAD"])])
 
 
+class _Throttled:
+    """Log lines for events that may come thousands of times a second: one line per kind every `interval` s, which
+    counts the events held back since the last one."""
+
+    def __init__(self, interval: float = LOG_INTERVAL):
+        self.interval, self._last, self._held = interval, {}, collections.Counter()
+
+    def __call__(self, kind: str, message: str):
+        now = time.monotonic()
+        if now - self._last.get(kind, -math.inf) < self.interval:
+            self._held[kind] += 1
+            return
+        held, self._held[kind], self._last[kind] = self._held[kind], 0, now
+        LOG.warning(message + (f" ({held} more like it in the last {self.interval:g} s)" if held else ""))
+
+
+def descriptor_limit() -> int:
+    """This process's limit on open files (ulimit -n), or a large number where there is none."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit on this system
+        return 1 << 20
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def descriptor_budget() -> int:
+    """Connections this process can hold: its descriptor limit, less the descriptors open now, less FD_RESERVE."""
+    folder = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    try:
+        used = len(os.listdir(folder))
+    except OSError:
+        used = 64
+    return max(1, descriptor_limit() - used - FD_RESERVE)
+
+
+class _Connections:
+    """Open connections against their cap; shared by the listening socket and the protocol, both on the loop's
+    thread."""
+
+    def __init__(self, cap: int):
+        self.cap, self.open, self.paused_until, self.log = cap, 0, 0.0, _Throttled()
+
+    def refuse(self, sock: socket.socket):
+        """503 and close at once: the client learns to retry (RemoteRetriever does), no descriptor is held."""
+        body = json.dumps({"error": f"the server holds {self.open} connections, its cap (--max_connections); "
+                                    "retry later"}).encode()
+        try:
+            sock.setblocking(False)
+            try:
+                sock.recv(1 << 16)  # what has arrived: closing with unread data would reset the connection
+            except BlockingIOError:
+                pass
+            sock.send(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                      b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        except OSError:
+            pass
+        finally:
+            sock.close()
+        self.log("refused", f"refused a connection with 503: {self.open} open, the cap (--max_connections {self.cap})")
+
+
+class _ListeningSocket(socket.socket):
+    """The server's listening socket. asyncio's accept loop (CPython 3.11) calls accept() up to BACKLOG times per
+    wake-up and, out of descriptors, logs a traceback, schedules a retry in 1 s and goes on calling: ~56k traceback
+    lines a second with idle connections at the descriptor limit. Here a connection past the cap is answered 503 and
+    closed at once, and after an out-of-descriptors error accept() reports nothing waiting until asyncio's pause has
+    begun: one error per pause, and a log line per LOG_INTERVAL (`RetrievalServer._loop_error`). DEVIATION S16."""
+    connections: _Connections
+
+    def accept(self):
+        while True:
+            if time.monotonic() < self.connections.paused_until:
+                raise BlockingIOError(errno.EAGAIN, "accepting is paused")
+            try:
+                sock, address = super().accept()
+            except OSError as e:
+                if e.errno in OUT_OF_RESOURCES:
+                    self.connections.paused_until = time.monotonic() + ACCEPT_PAUSE / 2
+                raise
+            if self.connections.open < self.connections.cap:
+                self.connections.open += 1  # until the protocol's connection_lost
+                return sock, address
+            self.connections.refuse(sock)
+
+
 class _DeadlineH11(H11Protocol):
     """uvicorn's h11 protocol plus a deadline for each request head: uvicorn has none, so a client that connects and
-    then sends nothing (or a byte now and then) would hold its connection for ever. DEVIATION S12."""
-    head_timeout = HEAD_TIMEOUT
+    then sends nothing (or a byte now and then) would hold its connection for ever. DEVIATION S12. It also gives the
+    connection's place back to the cap (`_Connections`) when the connection ends."""
+    head_timeout, slots = HEAD_TIMEOUT, None  # slots: the server's _Connections (uvicorn's own: `connections`)
+
+    def connection_lost(self, exc):
+        if self.slots is not None:
+            self.slots.open -= 1
+        super().connection_lost(exc)
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -291,25 +449,48 @@ class RetrievalServer:
 
     def __init__(self, retriever, host: str = "127.0.0.1", port: int = 8000, *, default_topk: int = TOPK,
                  max_queries: int = MAX_QUERIES, head_timeout: float = HEAD_TIMEOUT,
-                 body_timeout: float = BODY_TIMEOUT, workers=None):
-        workers = workers or default_workers(retriever.encoder.device)
-        self.batcher = Batcher(retriever, workers=workers, cost=retriever.encoder.query_tokens)
+                 body_timeout: float = BODY_TIMEOUT, workers=None, max_query_bytes: int = MAX_QUERY_BYTES,
+                 max_connections=None):
+        workers = default_workers(retriever.encoder.device) if workers is None else workers
+        self.batcher = Batcher(retriever, workers=workers, tokenize=retriever.encoder.query_features)
         self.retriever = retriever
-        self.socket = socket.create_server((host, port), backlog=BACKLOG)
+        budget = descriptor_budget()  # the index and the encoder are loaded: their descriptors are counted
+        self.connections = _Connections(budget if max_connections is None else max_connections)
+        listening = socket.create_server((host, port), backlog=BACKLOG)
+        self.socket = _ListeningSocket(fileno=listening.detach())
+        self.socket.connections = self.connections
         self.server_port = self.socket.getsockname()[1]
-        protocol = type("_Protocol", (_DeadlineH11,), {"head_timeout": head_timeout})
-        app = make_app(self.batcher, retriever.n_rows, default_topk, max_queries, body_timeout)
+        protocol = type("_Protocol", (_DeadlineH11,), {"head_timeout": head_timeout, "slots": self.connections})
+        app = make_app(self.batcher, retriever.n_rows, default_topk, max_queries, body_timeout, max_query_bytes)
         config = uvicorn.Config(app, http=protocol, lifespan="off", access_log=False, log_level="warning",
                                 backlog=BACKLOG)
         self.uvicorn, self._stopped = uvicorn.Server(config), threading.Event()
         self._stopped.set()
+        if self.connections.cap > budget:  # after uvicorn.Config, which sets up its logger
+            LOG.warning(f"--max_connections {self.connections.cap} is above what the descriptor limit leaves "
+                        f"(ulimit -n {descriptor_limit()}: about {budget}); past that, accepting pauses")
 
     def serve_forever(self):
+        async def serve():  # uvicorn.Server.run, on asyncio's loop (never uvloop: `_ListeningSocket` needs asyncio's)
+            asyncio.get_running_loop().set_exception_handler(self._loop_error)
+            await self.uvicorn.serve(sockets=[self.socket])
+
         self._stopped.clear()
         try:
-            self.uvicorn.run(sockets=[self.socket])
+            asyncio.run(serve())
         finally:
             self._stopped.set()
+
+    def _loop_error(self, loop, context: dict):
+        """Out of descriptors, asyncio pauses accepting for ACCEPT_PAUSE s and reports it here: one line per
+        LOG_INTERVAL instead of a traceback per attempt. Anything else goes to asyncio's own handler."""
+        error = context.get("exception")
+        if isinstance(error, OSError) and error.errno in OUT_OF_RESOURCES and "accept" in context.get("message", ""):
+            self.connections.log("accept", f"cannot accept connections ({error.strerror}): {self.connections.open} "
+                                           f"open, the descriptor limit is {descriptor_limit()} (ulimit -n); "
+                                           f"accepting pauses {ACCEPT_PAUSE:g} s at a time")
+            return
+        loop.default_exception_handler(context)
 
     def shutdown(self):
         self.uvicorn.should_exit = True
@@ -328,7 +509,7 @@ class RetrievalServer:
 
 def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, **options) -> RetrievalServer:
     """A server over `retriever`, not yet serving; options: default_topk, max_queries, head_timeout, body_timeout,
-    workers."""
+    workers, max_query_bytes, max_connections."""
     return RetrievalServer(retriever, host, port, **options)
 
 
@@ -349,9 +530,9 @@ def freeze_heap():
 
 
 def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None, cache_size: int = 100_000,
-          corpus=None, fp16: bool = False, faiss_gpu=None, **options):
+          corpus=None, fp16: bool = False, faiss_gpu=None, cache_bytes: int = CACHE_BYTES, **options):
     """Load the index and serve it until interrupted."""
-    retriever = DenseRetriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu)
+    retriever = DenseRetriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu, cache_bytes)
     with make_server(retriever, host, port, **options) as server:
         print(f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve",
               flush=True)
@@ -485,10 +666,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     server = sub.add_parser("serve", help="Search-R1 compatible HTTP server (also: Search-R1's launch flags alone)")
     server.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines (DEVIATION S13)")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--cache_size", type=int, default=100_000)
+    server.add_argument("--port", type=int, default=8000, help="0: any free port")
+    server.add_argument("--cache_size", type=int, default=100_000, help="answers cached, at most (0: no cache)")
+    server.add_argument("--cache_bytes", type=int, default=CACHE_BYTES, help="bytes of cached answers, at most")
     server.add_argument("--topk", type=int, default=TOPK, help="for requests without 'topk' (Search-R1 --topk)")
     server.add_argument("--max_queries", type=int, default=MAX_QUERIES, help="queries per request (DEVIATION S10)")
+    server.add_argument("--max_query_bytes", type=int, default=MAX_QUERY_BYTES,
+                        help="UTF-8 bytes per query (DEVIATION S15)")
+    server.add_argument("--max_connections", type=int, default=None, help="open connections, at most; past it a new "
+                        "one gets 503 (default: what the descriptor limit leaves; DEVIATION S16)")
     server.add_argument("--retriever_name", default="e5", help="Search-R1's: sets the prefixes of an index file")
     server.add_argument("--retriever_model", default=E5, help="Search-R1's: the encoder of an index file")
     server.add_argument("--faiss_gpu", action="store_true", help="Search-R1's: FAISS on the GPUs (default: if any)")
@@ -514,6 +700,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if argv and argv[0].startswith("--") and argv[0] != "--help":  # Search-R1's launch line names no subcommand
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
+    auto = " (omit it for the default: CPU cores // torch threads, 1 on a GPU)"
+    ranges = {"port": (0, 65535, ""), "topk": (1, MAX_TOPK, ""), "workers": (1, None, auto)}  # the rest: >= 0 or 1
+    ranges |= {name: (0, None, "") for name in ("cache_size", "cache_bytes")}
+    ranges |= {name: (1, None, "") for name in ("max_queries", "max_query_bytes", "max_connections", "clients",
+                                                 "requests", "queries", "big", "threads")}
+    check_flags(parser, args, ranges)
     if args.command == "serve" and "bm25" in args.retriever_name.lower():
         parser.error("--retriever_name bm25: only dense retrievers are served here")
     if args.command == "serve" and os.path.isfile(args.index) and not args.corpus:
@@ -530,8 +722,8 @@ def main(argv=None):
         index = search_r1_index_dir(args.index, args.corpus, args.retriever_model, args.retriever_name)
         corpus = None if index != args.index else args.corpus  # a described folder records its corpus
         serve(index, args.host, args.port, args.device, args.cache_size, corpus, args.fp16,
-              True if args.faiss_gpu else None, default_topk=args.topk, max_queries=args.max_queries,
-              workers=args.workers)
+              True if args.faiss_gpu else None, args.cache_bytes, default_topk=args.topk, max_queries=args.max_queries,
+              workers=args.workers, max_query_bytes=args.max_query_bytes, max_connections=args.max_connections)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,9 @@ DOCS = ["README.md", "DESIGN.md", "RESULTS.md", "LOG.md"]
 TEXT_FILES = (sorted(glob.glob(os.path.join(ROOT, "*.py"))) + sorted(glob.glob(os.path.join(ROOT, "tests", "*.py"))) +
               sorted(glob.glob(os.path.join(ROOT, "configs", "*"))) + [os.path.join(ROOT, "Makefile")] +
               [os.path.join(ROOT, d) for d in DOCS])
-LONG_MODULES = {}  # module: why it may pass MAX_MODULE_LINES (none today)
+LONG_MODULES = {  # module: why it may pass MAX_MODULE_LINES
+    "retriever": "the index folder format, its checks naming each file, exact search and the client: one library",
+    "server": "the Search-R1 server with every limit on what one client can cost, and its load bench"}
 MAX_MODULE_LINES = 700
 
 

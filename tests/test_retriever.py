@@ -396,3 +396,131 @@ def test_gpu_matches_cpu_and_is_batch_independent(world, fresh):
         assert [d["id"] for d in got] == [d["id"] for d in want]
         np.testing.assert_allclose([d["score"] for d in got], [d["score"] for d in want], atol=1e-4)
     gpu.close()
+
+
+# --- query tokens, cache bytes, damaged or copied index folders, read-only index files ---
+
+def test_query_features_are_the_tokenizer_call(fresh):
+    """The server tokenizes with a backend copy set up once; the ids are those of the tokenizer's own call."""
+    queries = ["", " ", NAME0, "founded " * 400 + "x", "Ämber 日本語 \U0001F600", "[CLS] [SEP] x", "who\tis\nthe king?"]
+    enc = fresh.encoder
+    want = enc.tokenizer([enc.query_prefix + q for q in queries], max_length=enc.max_length, truncation=True)
+    assert [list(ids) for ids, _ in enc.query_features(queries)] == want["input_ids"]
+    assert np.array_equal(enc.encode_tokens(enc.query_features(queries)), enc.encode(queries, "query"))
+
+
+def test_cache_is_bounded_in_bytes(world):
+    probe = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    one = R._bytes(("a king", 3), probe.search(["a king"])[0])
+    probe.close()
+    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_bytes=int(2.5 * one))
+    retriever.search(["a king"])
+    retriever.search(["a ship"])
+    retriever.search(["a king"])  # most recent now; "a ship" goes first
+    retriever.search(["a city"])
+    assert list(retriever._cache) == [("a king", 3), ("a city", 3)] and retriever.cache_used <= 2.5 * one
+    retriever.search(["founded " * 10_000])  # one answer over the whole budget: not cached, nothing evicted
+    assert list(retriever._cache) == [("a king", 3), ("a city", 3)]
+    assert retriever.cache_used == sum(size for _, size in retriever._cache.values())
+    retriever.close()
+
+
+def _damage(index_dir, what):
+    meta_path, offsets_path = os.path.join(index_dir, "meta.json"), os.path.join(index_dir, "offsets.npy")
+    meta, offsets = json.load(open(meta_path)), np.load(offsets_path)
+    if what == "meta not json":
+        open(meta_path, "w").write('{"encoder": "minilm", ')
+    elif what == "meta a list":
+        json.dump([meta], open(meta_path, "w"))
+    elif what == "meta without n_rows":
+        json.dump({k: v for k, v in meta.items() if k != "n_rows"}, open(meta_path, "w"))
+    elif what == "n_rows a string":
+        json.dump({**meta, "n_rows": "50"}, open(meta_path, "w"))
+    elif what == "fingerprint without size":
+        json.dump({**meta, "corpus_fingerprint": {"rows": 50}}, open(meta_path, "w"))
+    elif what == "offsets float":
+        np.save(offsets_path, offsets.astype(np.float64))
+    elif what == "offsets 2-d":
+        np.save(offsets_path, offsets.reshape(5, 10))
+    elif what == "offsets pickled":
+        np.save(offsets_path, np.array([int(x) for x in offsets], dtype=object), allow_pickle=True)
+    elif what == "offsets garbage":
+        open(offsets_path, "wb").write(b"not an npy file at all")
+    elif what == "offsets decreasing":
+        np.save(offsets_path, offsets[::-1].copy())
+    return meta_path, offsets_path
+
+
+@pytest.mark.parametrize("what,names,match", [
+    ("meta not json", "meta", "not valid JSON"), ("meta a list", "meta", "expected a JSON object, got list"),
+    ("meta without n_rows", "meta", "'n_rows' missing"), ("n_rows a string", "meta", "'n_rows' is \"50\", expected"),
+    ("fingerprint without size", "meta", "'corpus_fingerprint.size' missing"),
+    ("offsets float", "offsets", "1-d integer array of byte offsets, got a float64"),
+    ("offsets 2-d", "offsets", r"shape \(5, 10\)"), ("offsets pickled", "offsets", "not a readable .npy"),
+    ("offsets garbage", "offsets", "not a readable .npy"), ("offsets decreasing", "offsets", "must .* increase")])
+def test_damaged_index_files_are_named(world, tmp_path, what, names, match):
+    index_dir = str(tmp_path / "index")
+    shutil.copytree(world.index_dir, index_dir)
+    meta_path, offsets_path = _damage(index_dir, what)
+    with pytest.raises(ValueError, match=match) as error:
+        R.DenseRetriever(index_dir, device="cpu", corpus=world.corpus)
+    assert (meta_path if names == "meta" else offsets_path) in str(error.value)
+
+
+def test_a_copied_world_reads_its_own_corpus(world, fresh, tmp_path):
+    """meta.json records the corpus by absolute path and relative to the index folder; the relative one wins wherever
+    it exists, so a copy reads its own corpus (an edited copy is refused) while the original still exists."""
+    copy = tmp_path / "copy"
+    shutil.copytree(world.root, copy, ignore=shutil.ignore_patterns("described*"))
+    retriever = R.DenseRetriever(str(copy / "index"), device="cpu", cache_size=0)
+    assert retriever.corpus == str(copy / "corpus.jsonl")
+    assert bits(retriever.search([NAME0, "a king"])) == bits(fresh.search([NAME0, "a king"]))
+    retriever.close()
+    _edit_row(world.corpus, copy / "corpus.jsonl")
+    with pytest.raises(ValueError, match=f"corpus {copy / 'corpus.jsonl'} does not match"):
+        R.DenseRetriever(str(copy / "index"), device="cpu")
+    meta = json.load(open(copy / "index" / "meta.json"))
+    assert meta["corpus"] == world.corpus and meta["corpus_relative"] == "../corpus.jsonl"  # what builds record
+    json.dump({**meta, "corpus": "../corpus.jsonl"}, open(copy / "index" / "meta.json", "w"))
+    with pytest.raises(ValueError, match=f"corpus {copy / 'corpus.jsonl'} does not match"):  # stored relative
+        R.DenseRetriever(str(copy / "index"), device="cpu")
+    meta.pop("corpus_relative")  # a meta.json from before corpus_relative: the absolute path, as it always was
+    json.dump(meta, open(copy / "index" / "meta.json", "w"))
+    retriever = R.DenseRetriever(str(copy / "index"), device="cpu", cache_size=0)
+    assert retriever.corpus == world.corpus
+    retriever.close()
+
+
+def test_an_index_file_on_read_only_storage_gets_its_folder_in_the_cache(world, fresh, tmp_path, monkeypatch):
+    """Search-R1's index-file mode wrote `<file>.twice` beside the file and crashed on read-only storage. Tests run
+    as root, whom chmod does not stop: writes under the read-only folder fail as a read-only mount's would."""
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    index_file = str(shelf / "e5_Flat.index")
+    shutil.copy(os.path.join(world.index_dir, "index.faiss"), index_file)
+    shelf.chmod(0o555)
+
+    def guarded(call):
+        def wrapper(path, *args, **kwargs):
+            flags = args[0] if call is real["open"] and args else 0
+            if str(os.fspath(path)).startswith(str(shelf)) and (call is not real["open"] or flags & (
+                    os.O_WRONLY | os.O_RDWR | os.O_CREAT)):
+                raise OSError(30, "Read-only file system", str(path))
+            return call(path, *args, **kwargs)
+        return wrapper
+    real = {"open": os.open, "mkdir": os.mkdir, "rename": os.rename}
+    for name, call in real.items():
+        monkeypatch.setattr(os, name, guarded(call))
+    monkeypatch.setenv("TWICE_CACHE", str(tmp_path / "cache"))
+    try:
+        out = R.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm")
+        assert out.startswith(str(tmp_path / "cache")) and sorted(os.listdir(shelf)) == ["e5_Flat.index"]
+        assert R.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm") == out  # reused
+        retriever = R.DenseRetriever(out, device="cpu", cache_size=0)
+        assert bits(retriever.search([NAME0, "a king"])) == bits(fresh.search([NAME0, "a king"]))
+        retriever.close()
+        monkeypatch.setenv("TWICE_CACHE", str(shelf / "cache"))  # nowhere to write: say where it needs to
+        with pytest.raises(OSError, match=r"needs an index folder .*e5_Flat\.index\.twice \(.*Read-only.*TWICE_CACHE"):
+            R.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm")
+    finally:
+        shelf.chmod(0o755)

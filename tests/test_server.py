@@ -1,7 +1,9 @@
 """Tests for server.py (the Search-R1 compatible HTTP server and its load bench) over test_retriever.py's 50-row
 MiniLM index (CPU, offline), and for RemoteRetriever against it."""
 import ast
+import asyncio
 import concurrent.futures
+import errno
 import gc
 import http.client
 import json
@@ -21,7 +23,7 @@ import requests
 
 import retriever as R
 import server as S
-from test_retriever import KINDS, NAME0, ROOT, dense, fresh, one_thread, world  # noqa: F401
+from test_retriever import KINDS, NAME0, ROOT, bits, dense, fresh, one_thread, world  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -397,3 +399,209 @@ def test_lone_surrogate_is_refused_not_retried(url):
         R.RemoteRetriever(dead, retries=3, backoff=0.01).search(["\ud800"])
 
 
+
+
+# --- startup flags, long queries, descriptors, abandoned requests ---
+
+BAD_FLAGS = [(["--workers", "-1"], "--workers"), (["--workers", "0"], "--workers"), (["--topk", "0"], "--topk"),
+             (["--topk", "101"], "--topk"), (["--max_queries", "-1"], "--max_queries"), (["--port", "70000"], "--port"),
+             (["--port", "-1"], "--port"), (["--cache_size", "-1"], "--cache_size"),
+             (["--cache_bytes", "-1"], "--cache_bytes"), (["--max_query_bytes", "0"], "--max_query_bytes"),
+             (["--max_connections", "0"], "--max_connections")]
+
+
+def test_bad_server_flags_exit_2_naming_the_flag_before_loading(tmp_path, capsys):
+    """`serve --workers -1` used to start no encoder thread: /health answered, every retrieve waited for ever."""
+    missing = str(tmp_path / "no index here")  # loading it would fail with another error and status 1
+    start = time.perf_counter()
+    child = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "serve", "--index", missing,
+                            "--workers", "-1"], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 2 and "--workers must be an integer >= 1, got -1" in child.stderr, child.stderr
+    assert time.perf_counter() - start < 60
+    for flags, name in BAD_FLAGS + [(["bench", "--clients", "0"], "--clients"), (["bench", "--threads", "0"],
+                                                                                  "--threads")]:
+        argv = flags if flags[0] == "bench" else ["serve", "--index", missing, *flags]
+        with pytest.raises(SystemExit) as stop:
+            S.parse_args(argv)
+        assert stop.value.code == 2 and f"{name} must be an integer" in capsys.readouterr().err, flags
+    assert S.parse_args(["serve", "--index", missing, "--port", "0", "--cache_size", "0", "--topk", "100"]).port == 0
+    with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+        S.Batcher(None, workers=0)
+
+
+def test_queries_past_the_byte_cap_get_400_naming_them(dense):
+    """Eight legal 1 MB queries used to stall every small request for 2-4 s and grow the server by ~630 MB."""
+    with pytest.raises(ValueError, match=r"'queries'\[0\] is 1048576 bytes long \(UTF-8\), at most 16384 per query"):
+        S.parse_request({"queries": ["x" * (1 << 20)]})
+    # the default cap holds any query of our rollout (cut to 1024 characters, DEVIATION R2) and 256 tokens of text
+    assert R.check_queries(["\U0001F600" * 1024, "word " * 3000], max_query_bytes=R.MAX_QUERY_BYTES)
+    server, url = S.start_server(dense, max_query_bytes=100)
+    try:
+        status, payload = post_raw(url, json.dumps({"queries": ["a king", "é" * 51]}).encode())  # 102 UTF-8 bytes
+        assert status == 400 and re.search(r"'queries'\[1\] is 102 bytes long \(UTF-8\), at most 100 per query",
+                                           payload["error"]) and "--max_query_bytes" in payload["error"], payload
+        assert requests.post(url, json={"queries": ["é" * 50]}, timeout=30).status_code == 200  # 100 bytes: fits
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_requests_are_tokenized_once_without_the_tokenizer_lock(world, fresh):
+    """A request's queries used to be tokenized twice under one lock (for the rounds' costs, then to encode), so one
+    request of long queries held every other request up. Now once, in the request's thread, with no lock."""
+    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    queries, body = [NAME0, "a king", "founded " * 400 + "the city"], {"topk": 3, "return_scores": True}
+    server, url = S.start_server(retriever)
+    try:
+        with retriever.encoder._tokenizer_lock:  # held for the whole request: it must not be needed
+            answer = requests.post(url, json={"queries": queries, **body}, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert answer.status_code == 200
+    assert bits(as_docs(answer.json()["result"])) == bits(fresh.search(queries, 3))  # bit for bit as in-process
+    calls, tokenize = [], retriever.encoder.query_features
+    retriever.encoder.query_features = lambda queries: calls.append(list(queries)) or tokenize(queries)
+    server, url = S.start_server(retriever)
+    try:
+        assert requests.post(url, json={"queries": queries, **body}, timeout=30).status_code == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert calls == [queries]  # once, all of the request's queries together
+    retriever.close()
+
+
+def test_a_request_whose_client_left_is_not_computed(world):
+    """A request still queued when its client disconnects is dropped: its queries never reach the encoder."""
+    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    searched, gate, search = [], threading.Event(), retriever.search_batch
+
+    def recording(items, *rest):
+        searched.append([query for query, _ in items])
+        if "hold the worker" in searched[-1]:
+            assert gate.wait(30)
+        return search(items, *rest)
+
+    retriever.search_batch = recording
+    server, url = S.start_server(retriever, workers=1)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(requests.post, url, json={"queries": ["hold the worker"]}, timeout=60)
+            while not searched:
+                time.sleep(0.01)
+            body = json.dumps({"queries": ["never computed"]}).encode()
+            with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as sock:
+                sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                time.sleep(0.5)  # parsed, tokenized and queued behind the held round
+            time.sleep(0.5)  # the server sees the connection close
+            gate.set()
+            assert first.result().status_code == 200
+        assert requests.post(url, json={"queries": ["asked after"]}, timeout=30).status_code == 200
+    finally:
+        gate.set()
+        server.shutdown()
+        server.server_close()
+    assert searched == [["hold the worker"], ["asked after"]], searched
+    retriever.close()
+
+
+def test_connections_past_the_cap_get_503_and_the_server_keeps_serving(dense):
+    server, url = S.start_server(dense, max_connections=4)
+    idle = [socket.create_connection(("127.0.0.1", server.server_port), timeout=10) for _ in range(4)]
+    try:
+        time.sleep(0.3)  # accepted: the four hold the cap
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as extra:
+            assert extra.recv(1000).startswith(b"HTTP/1.1 503 ")
+        for sock in idle:
+            sock.close()
+        time.sleep(0.3)
+        assert requests.get(url.replace("/retrieve", "/health"), timeout=30).status_code == 200
+        for _ in range(100):  # the server sees the health request's connection close a moment later
+            if server.connections.open == 0:
+                break
+            time.sleep(0.05)
+        assert server.connections.open == 0  # every place given back
+    finally:
+        for sock in idle:
+            sock.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_descriptor_exhaustion_is_logged_once_per_interval(world, tmp_path):
+    """A server at ulimit -n 160 with 300 idle connections: CPython's accept loop logged a traceback per attempt
+    (~56k lines a second). Now the connections past the cap (what the limit leaves) get 503 and are closed, a line per
+    interval is logged, and once the clients close, /health answers again."""
+    port, log = free_port(), tmp_path / "server.log"
+    launcher = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160)); "
+                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    command = [sys.executable, "-c", launcher, os.path.join(ROOT, "server.py"), "serve", "--index", world.index_dir,
+               "--port", str(port), "--device", "cpu"]
+    with open(log, "w") as err:
+        child = subprocess.Popen(command, stderr=err, stdout=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    idle = []
+    try:
+        for _ in range(600):
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                assert child.poll() is None, log.read_text()
+                time.sleep(0.2)
+        before = len(log.read_text().splitlines())
+        start = time.perf_counter()
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(300)]
+        time.sleep(3)
+        lines = log.read_text().splitlines()[before:]
+        seconds = time.perf_counter() - start
+        for sock in idle:
+            sock.setblocking(False)
+        refused = sum(_received(sock).startswith(b"HTTP/1.1 503 ") for sock in idle)
+        assert 300 - 160 <= refused < 300, refused  # the cap is below the limit, and above nothing
+        assert len(lines) <= 2 * seconds / S.LOG_INTERVAL + 2, lines[:5]
+        for sock in idle:
+            sock.close()
+        assert requests.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        child.terminate()
+        child.wait(timeout=60)
+
+
+def _received(sock) -> bytes:
+    try:
+        return sock.recv(1000)
+    except (BlockingIOError, ConnectionError):
+        return b""
+
+
+def test_out_of_descriptors_accept_pauses_and_logs_once(dense, monkeypatch):
+    """Past the cap (an explicit --max_connections above what the limit leaves), accept() fails with EMFILE. asyncio
+    pauses accepting 1 s but its loop goes on calling accept() up to BACKLOG times, logging each failure: now the
+    calls after the first report nothing waiting, and the loop's error handler logs one line per interval."""
+    server = S.make_server(dense, port=0)
+    calls = []
+
+    def exhausted(self):
+        calls.append(1)
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(socket.socket, "accept", exhausted)
+    try:
+        with pytest.raises(OSError) as first:
+            server.socket.accept()
+        assert first.value.errno == errno.EMFILE
+        for _ in range(2000):  # the rest of asyncio's loop over BACKLOG accepts
+            with pytest.raises(BlockingIOError):
+                server.socket.accept()
+        assert len(calls) == 1
+        lines, loop = [], asyncio.new_event_loop()
+        monkeypatch.setattr(S.LOG, "warning", lines.append)  # uvicorn's logger does not propagate to caplog's
+        for _ in range(1000):
+            server._loop_error(loop, {"message": "socket.accept() out of system resource", "exception": first.value})
+        loop.close()
+        assert len(lines) == 1 and "cannot accept connections (Too many open files)" in lines[0], lines[:3]
+    finally:
+        server.server_close()
