@@ -303,8 +303,7 @@ def check_writable(path: str):
     """Fail before the evaluation, not after it: the results file's folder is created and a probe file written."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "w", encoding="utf-8"):
-            pass
+        open(path + ".tmp", "w", encoding="utf-8").close()
         os.remove(path + ".tmp")
     except OSError as e:
         raise ValueError(f"--out {path}: cannot write there ({e.strerror})") from None

@@ -402,7 +402,8 @@ def test_gpu_matches_cpu_and_is_batch_independent(world, fresh):
 
 def test_query_features_are_the_tokenizer_call(fresh):
     """The server tokenizes with a backend copy set up once; the ids are those of the tokenizer's own call."""
-    queries = ["", " ", NAME0, "founded " * 400 + "x", "Ämber 日本語 \U0001F600", "[CLS] [SEP] x", "who\tis\nthe king?"]
+    queries = ["", " ", NAME0, "founded " * 400 + "x", "Ämber 日本語 \U0001F600", "[CLS] [SEP] x",
+               "who\tis\nthe king?"]
     enc = fresh.encoder
     want = enc.tokenizer([enc.query_prefix + q for q in queries], max_length=enc.max_length, truncation=True)
     assert [list(ids) for ids, _ in enc.query_features(queries)] == want["input_ids"]

@@ -34,6 +34,17 @@ def url(dense):
     server.server_close()
 
 
+def wait_for_health(child, port: int, why):
+    """Poll /health (up to ~2 min) while the child server starts; `why`: a message, or a log file to show."""
+    for _ in range(600):
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
+                return
+        except requests.RequestException:
+            assert child.poll() is None, why if isinstance(why, str) else why.read_text()
+            time.sleep(0.2)
+
+
 def test_retriever_knows_nothing_of_serving():
     """server.py imports retriever.py, never the reverse: the library loads no web framework."""
     tree = ast.parse(open(os.path.join(ROOT, "retriever.py"), encoding="utf-8").read())
@@ -187,13 +198,7 @@ def test_search_r1_launch_line(world, fresh, tmp_path):
     child = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), *line, "--port", str(port),
                               "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        for _ in range(600):
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                assert child.poll() is None, "the server exited"
-                time.sleep(0.2)
+        wait_for_health(child, port, "the server exited")
         answer = requests.post(f"http://127.0.0.1:{port}/retrieve", json={"queries": [NAME0, "a king"],
                                                                           "return_scores": True}, timeout=60)
         assert as_docs(answer.json()["result"]) == fresh.search([NAME0, "a king"], 2)  # --topk is the default
@@ -543,13 +548,7 @@ def test_descriptor_exhaustion_is_logged_once_per_interval(world, tmp_path):
         child = subprocess.Popen(command, stderr=err, stdout=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
     idle = []
     try:
-        for _ in range(600):
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                assert child.poll() is None, log.read_text()
-                time.sleep(0.2)
+        wait_for_health(child, port, log)
         before = len(log.read_text().splitlines())
         start = time.perf_counter()
         idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(300)]

@@ -1,6 +1,6 @@
 """The fast paths equal the plain ones (DESIGN.md section 11). Chunked log-probs equal the full (B, L, V)
-computation and stay within a memory bound; the cached engine (KV reuse across turns and into twins, shared prefills, continuous
-batching) samples exactly the episodes of the plain generate path; bench.py gpu runs at a tiny size."""
+computation and stay within a memory bound; the cached engine (KV reuse across turns and into twins, shared prefills,
+continuous batching) samples exactly the episodes of the plain generate path; bench.py gpu runs at a tiny size."""
 import numpy as np
 import pytest
 import torch
