@@ -141,10 +141,10 @@ EST_data     := ~70 GB download (e5_Flat.index 64.6 GB, wiki-18.jsonl.gz ~4-5 GB
 EST_models_3b := Qwen2.5-3B 6.2 GB + e5-base-v2 0.4 GB into the HF cache, minutes
 EST_models_7b := Qwen2.5-7B 15.2 GB + e5-base-v2 0.4 GB into the HF cache, minutes
 EST_server   := 64.6 GB of vectors sharded over the GPUs (~8 GB each) + E5 on one GPU: loads in ~5-10 min
-EST_grpo_3b  := ~40-60 h on 8 x H100 (~350-500 GPU-h); checkpoints 5 x ~50 GB = ~250 GB
-EST_twice_3b := ~60-85 h on 8 x H100 (~500-700 GPU-h); checkpoints 5 x ~50 GB = ~250 GB
-EST_grpo_7b  := ~100-135 h on 8 x H100 (~800-1100 GPU-h); checkpoints 5 x ~120 GB = ~600 GB
-EST_twice_7b := ~150-185 h on 8 x H100 (~1200-1500 GPU-h); checkpoints 5 x ~120 GB = ~600 GB
+EST_grpo_3b  := ~40-60 h on 8 x H100 (~350-500 GPU-h); checkpoints 3 x ~49 GB + 6 GB bf16 export = ~154 GB
+EST_twice_3b := ~60-85 h on 8 x H100 (~500-700 GPU-h); checkpoints 3 x ~49 GB + 6 GB bf16 export = ~154 GB
+EST_grpo_7b  := ~100-135 h on 8 x H100 (~800-1100 GPU-h); checkpoints 3 x ~122 GB + 15 GB bf16 export = ~381 GB
+EST_twice_7b := ~150-185 h on 8 x H100 (~1200-1500 GPU-h); checkpoints 3 x ~122 GB + 15 GB bf16 export = ~381 GB
 EST_eval_3b  := 51,713 questions, one test set per GPU (PopQA's 14,267 set the pace): ~1-2 h, ~0.3 GB of records
 EST_eval_7b  := 51,713 questions, one test set per GPU (PopQA's 14,267 set the pace): ~3-5 h, ~0.3 GB of records
 

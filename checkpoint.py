@@ -11,11 +11,13 @@ out_dir/run.id names the run whose lineage the folder holds: every checkpoint's 
 into a folder of another run is refused.
 """
 import contextlib
+import copy
 import dataclasses
 import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -37,9 +39,10 @@ def _provenance() -> dict:
             "python": sys.version.split()[0]}
 
 
-def save(cfg, run, step: int) -> str:
+def save(cfg, run, step: int, last: bool = False) -> str:
     """out_dir/step_NNNNNN: policy/ (HF folder, deployable), trainer/ (accelerate state: weights, optimizer, RNG),
-    run.json (config, step, predictor and sigma_hat, provenance). Written to a temp dir, then renamed: atomic."""
+    run.json (config, step, predictor and sigma_hat, provenance); the run's last one also policy_bf16/ (export_bf16).
+    Written to a temp dir, then renamed: atomic. Only then are old checkpoints pruned (prune_checkpoints)."""
     accel = run.accel
     final = os.path.join(cfg.out_dir, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -57,7 +60,10 @@ def save(cfg, run, step: int) -> str:
             json.dump(state, f)
         if hasattr(run.method, "save"):  # learned estimators: weights and optimizer state (learned.py)
             run.method.save(tmp)
+        if last:
+            export_bf16(accel.unwrap_model(run.policy), run.tok, os.path.join(tmp, "policy_bf16"))
         swap_in(tmp, final)
+        prune_checkpoints(cfg.out_dir, cfg.keep_checkpoints, step, last)  # after the swap: the new one is complete
     accel.wait_for_everyone()
     return final
 
@@ -73,8 +79,11 @@ def swap_in(tmp: str, final: str):
 
 
 def recover_checkpoints(out_dir: str):
-    """After a crash inside swap_in: step_N.old whose step_N is missing is the complete checkpoint, put back."""
+    """After a crash inside swap_in: step_N.old whose step_N is missing is the complete checkpoint, put back. After a
+    crash inside prune_checkpoints: step_N.del (renamed there, a pruned checkpoint) finishes being deleted."""
     for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        if CHECKPOINT.fullmatch(name[:-4]) and name.endswith(".del"):
+            shutil.rmtree(os.path.join(out_dir, name))
         if name.startswith("step_") and name.endswith(".old"):
             old, final = os.path.join(out_dir, name), os.path.join(out_dir, name[:-4])
             if os.path.exists(final):
@@ -84,8 +93,53 @@ def recover_checkpoints(out_dir: str):
                 print(f"{final}: restored from {name} (a save was interrupted)", flush=True)
 
 
+CHECKPOINT = re.compile(r"step_(\d{6})")  # a checkpoint folder's name (save); step_N.tmp/.old/.del are not
+
+
+def prune_checkpoints(out_dir: str, keep: int, step: int, last: bool = False) -> list:
+    """Delete this run's checkpoints older than its `keep` newest at steps <= step (the last one of a run is kept on
+    top: keep + 1 remain). Called only once step's checkpoint is complete and swapped in, so the newest checkpoint,
+    the one a resume needs, is never deleted; a checkpoint past step (written before a resume from an earlier one) is
+    left for its re-save to replace. Deletes only folders named step_NNNNNN whose run.json carries this folder's run
+    id; each is renamed to step_N.del first (one atomic rename), so a crash mid-delete leaves no partial folder under
+    a checkpoint's name (recover_checkpoints finishes it). keep = 0 keeps every checkpoint. Returns the deleted."""
+    rid = run_id(out_dir)
+    if keep <= 0 or not rid:
+        return []
+    ours = []
+    for name in os.listdir(out_dir):
+        m, path = CHECKPOINT.fullmatch(name), os.path.join(out_dir, name)
+        if not m or int(m.group(1)) > step or not os.path.isdir(path):
+            continue
+        try:
+            if read_state(path).get("run_id") == rid:
+                ours.append((int(m.group(1)), path))
+        except ValueError:  # no readable run.json: not a checkpoint of this run, not ours to delete
+            continue
+    doomed = [path for _, path in sorted(ours)[:-(keep + 1 if last else keep)]]
+    for path in doomed:
+        os.replace(path, path + ".del")
+        shutil.rmtree(path + ".del")
+    return doomed
+
+
+def export_bf16(model, tok, path: str):
+    """The policy in bf16 as an HF folder (safetensors, tokenizer): 2 bytes per parameter, an eighth of a checkpoint
+    (DESIGN.md section 12), for evaluation and serving. The weights are cast on the CPU: no second GPU copy."""
+    cast, state = {}, {}  # tied tensors (embedding and LM head) stay one tensor, stored once
+    for k, v in model.state_dict().items():
+        if v.data_ptr() not in cast:
+            cast[v.data_ptr()] = v.detach().to("cpu", torch.bfloat16)
+        state[k] = cast[v.data_ptr()]
+    model.save_pretrained(path, state_dict=state, safe_serialization=True)
+    config = copy.deepcopy(model.config)  # save_pretrained wrote the live model's dtype (float32)
+    config.dtype = torch.bfloat16
+    config.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
 RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_tokens", "eval_size", "save_every", "out_dir",
-               "overwrite", "log_tensorboard", "log_wandb", "wandb_project", "collective_timeout_h"}
+               "overwrite", "keep_checkpoints", "log_tensorboard", "log_wandb", "wandb_project", "collective_timeout_h"}
 
 
 def load(cfg, run) -> int:

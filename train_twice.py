@@ -135,6 +135,7 @@ class Config:
     eval_tokens: int = 0            # also evaluate at the first step and whenever generated tokens pass a multiple
     eval_size: int = 0              # questions per periodic evaluation (0 = all; the final: all)
     save_every: int = 0             # steps between checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2       # newest checkpoints kept besides the last one; older are deleted (0 = keep all)
     log_tensorboard: bool = True    # every metric as TensorBoard scalars too (out_dir/tb)
     log_wandb: bool = False         # Weights & Biases too (WANDB_MODE=offline: no network)
     wandb_project: str = "twice"    # W&B project name
@@ -154,7 +155,8 @@ class Config:
                     "max_obs_tokens": 0, "max_context": 2, "top_k": 0, "gen_batch_size": 1, "twin_budget": 0,
                     "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
                     "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
-                    "eval_tokens": 0, "eval_size": 0, "save_every": 0}
+                    "eval_tokens": 0, "eval_size": 0, "save_every": 0,
+                    "keep_checkpoints": 0}
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1, "collective_timeout_h": 0}
         unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
@@ -496,7 +498,7 @@ def train(cfg: Config):
     final = {"step": done, "tokens": run.tokens}
     if eval_rows:
         final.update(run_eval(cfg, run, eval_rows))
-    path = checkpoint.save(cfg, run, done)
+    path = checkpoint.save(cfg, run, done, last=True)
     if accel.is_main_process:
         checkpoint.end_log(cfg, final, trackers)
         print(f"final | eval_em {final.get('eval_em', float('nan')):.3f} | checkpoint {path}", flush=True)

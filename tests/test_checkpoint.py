@@ -2,12 +2,14 @@
 run's folder, --overwrite only of this project's run folders, and errors that name the broken checkpoint file."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import checkpoint
 
@@ -144,3 +146,77 @@ def test_eval_out_is_checked_before_anything_loads(tmp_path):
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 1 and f"--out {ro}/results.json: cannot write there" in proc.stderr, proc.stderr[-800:]
     assert "Traceback" not in proc.stderr and time.time() - t < 60
+
+
+def test_pruning_deletes_only_this_runs_older_checkpoints(tmp_path, monkeypatch):
+    """keep = K leaves the K newest of this run's checkpoints at steps <= the saved one (K + 1 for a run's last);
+    another run's checkpoint, a folder without run.json, a temp folder, a look-alike name and a checkpoint past the
+    saved step are never touched; a crash mid-delete leaves step_N.del, which the next start finishes deleting."""
+    out = str(tmp_path / "run")
+    rid = new_run(out)  # step_000001
+    os.remove(os.path.join(out, "step_000001", "run.json"))  # not readable as a checkpoint: not ours to delete
+    for step in (2, 3, 4, 5, 8):
+        fake_checkpoint(out, step, rid)
+    fake_checkpoint(out, 0, "another-run")
+    for name in ("step_000006.tmp", "step_000002_backup"):
+        os.makedirs(os.path.join(out, name))
+    step = lambda n: os.path.join(out, f"step_{n:06d}")  # noqa: E731
+    assert checkpoint.prune_checkpoints(out, 0, 5) == []  # keep 0: every checkpoint
+    assert checkpoint.prune_checkpoints(out, 2, 5, last=True) == [step(2)]  # the last one and 2 before it
+    assert checkpoint.prune_checkpoints(out, 2, 5) == [step(3)]
+    real = shutil.rmtree
+
+    def crash(path, *a, **k):
+        raise KeyboardInterrupt("killed while deleting")
+    monkeypatch.setattr(shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune_checkpoints(out, 1, 5)
+    monkeypatch.setattr(shutil, "rmtree", real)
+    assert os.path.isdir(step(4) + ".del") and not os.path.exists(step(4))
+    checkpoint.recover_checkpoints(out)
+    assert sorted(os.listdir(out)) == ["metrics.jsonl", "run.id", "step_000000", "step_000001", "step_000002_backup",
+                                       "step_000005", "step_000006.tmp", "step_000008"]
+
+
+def tensor_bytes(ckpt: str) -> int:
+    return sum(os.path.getsize(os.path.join(ckpt, f)) for f in ("policy/model.safetensors",
+                                                                "trainer/model.safetensors", "trainer/optimizer.bin"))
+
+
+def test_retention_through_a_crash_before_pruning_and_a_resume_and_the_bf16_export(tiny_world, tmp_path,
+                                                                                    monkeypatch):
+    """A crash between a save and its pruning loses nothing; the resume from the newest checkpoint prunes to the
+    newest keep_checkpoints plus the last; the last holds policy_bf16/, which from_pretrained loads as the trained
+    weights in bf16; a checkpoint weighs 16 bytes per parameter (the disk table's rule, RESULTS.md) plus headers."""
+    import transformers
+    import train_twice as tt
+    from test_train import tiny_cfg
+    out = str(tmp_path / "run")
+    real = checkpoint.prune_checkpoints
+
+    def crash_at_2(out_dir, keep, step, last=False):
+        if step == 2:
+            raise KeyboardInterrupt("killed between the save and the prune")
+        return real(out_dir, keep, step, last)
+    monkeypatch.setattr(checkpoint, "prune_checkpoints", crash_at_2)
+    args = ["--steps=4", "--eval_every=0", "--save_every=1", "--keep_checkpoints=2"]
+    with pytest.raises(KeyboardInterrupt):
+        tt.main(tiny_cfg(tiny_world, out, *args))
+    steps = lambda: sorted(f for f in os.listdir(out) if f.startswith("step_"))  # noqa: E731
+    assert steps() == ["step_000001", "step_000002"]  # nothing lost, step 2 complete
+    assert checkpoint.read_state(os.path.join(out, "step_000002"))["step"] == 2
+    monkeypatch.setattr(checkpoint, "prune_checkpoints", real)
+    tt.main(tiny_cfg(tiny_world, out, *args, f"--resume={out}/step_000002"))
+    assert steps() == ["step_000002", "step_000003", "step_000004"]  # 2 kept, plus the last
+    last = os.path.join(out, "step_000004")
+    assert [s for s in steps() if os.path.exists(os.path.join(out, s, "policy_bf16"))] == ["step_000004"]
+
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(last, "policy"))
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(last, "policy_bf16"))
+    assert bf16.dtype == torch.bfloat16 and os.path.exists(os.path.join(last, "policy_bf16", "model.safetensors"))
+    want = {k: v.to(torch.bfloat16) for k, v in fp32.state_dict().items()}
+    assert all(torch.equal(v, want[k]) for k, v in bf16.state_dict().items()) and len(want) == len(bf16.state_dict())
+    # fp32 policy 4N + trainer: fp32 weights 4N + AdamW exp_avg, exp_avg_sq 8N; headers under 1.5 KB a tensor
+    n, n_tensors = sum(p.numel() for p in fp32.parameters()), len(list(fp32.parameters()))
+    assert 16 * n <= tensor_bytes(last) <= 16 * n + 1536 * n_tensors
+    assert 2 * n <= os.path.getsize(os.path.join(last, "policy_bf16", "model.safetensors")) <= 2 * n + 512 * n_tensors

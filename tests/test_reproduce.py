@@ -367,7 +367,7 @@ def test_make_reproduce_dry_run_prints_every_step_and_runs_nothing(tmp_path, siz
     assert -1 not in at and at == sorted(at), dict(zip(steps, at))
     for k in range(1, 8):
         assert f"== step {k}/7" in text
-    assert "GPU-h" in text and "checkpoints 5 x" in text and "GB" in text  # time and disk estimates
+    assert "GPU-h" in text and "3 x ~" in text and "GB" in text  # time and disk estimates
     assert ("pip install -r requirements-gpu.txt" in text) == (size == "7b")  # DeepSpeed only for ZeRO-2
     assert not os.path.exists(sr1) and not os.path.exists(runs)  # nothing ran
 

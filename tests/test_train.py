@@ -83,7 +83,7 @@ def test_smoke_run_logs_checkpoints_and_plots(tiny_world, tmp_path):
         assert key in rows[0], key
     assert rows[0]["twins"] > 0 and rows[0]["factual_tokens"] > 0
     ckpt = os.path.join(out, "step_000002")
-    assert sorted(os.listdir(ckpt)) == ["policy", "run.json", "trainer"]
+    assert sorted(os.listdir(ckpt)) == ["policy", "policy_bf16", "run.json", "trainer"]
     run = json.load(open(os.path.join(ckpt, "run.json")))
     assert run["step"] == 2 and run["config"]["omega"] == 1.0 and "transformers" in run
     assert os.path.exists(os.path.join(out, "learning_curve.png"))
