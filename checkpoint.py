@@ -25,6 +25,7 @@ import sys
 import time
 import uuid
 
+import numpy as np
 import torch
 
 
@@ -139,7 +140,8 @@ def export_bf16(model, tok, path: str):
 
 
 RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_tokens", "eval_size", "save_every", "out_dir",
-               "overwrite", "keep_checkpoints", "log_tensorboard", "log_wandb", "wandb_project", "collective_timeout_h"}
+               "overwrite", "keep_checkpoints", "log_episodes", "log_tensorboard", "log_wandb", "wandb_project",
+               "collective_timeout_h"}
 
 
 def load(cfg, run) -> int:
@@ -182,7 +184,7 @@ def read_state(ckpt: str) -> dict:
     return state
 
 
-RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "config.json", "learning_curve.png", "tb", "wandb", "run.id")
+RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "episodes.jsonl", "episodes.jsonl.orphaned", "config.json", "learning_curve.png", "tb", "wandb", "run.id")
 LOCK_FILE, RUN_ID_FILE = ".lock", "run.id"
 
 
@@ -330,12 +332,47 @@ def log_metrics(cfg, metrics: dict, trackers=()):
 
 
 def start_log(cfg, start: int) -> list:
-    """metrics.jsonl cut back to the resumed step, config.json written and printed; returns the trackers."""
-    truncate_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), start)
+    """metrics.jsonl and episodes.jsonl cut back to the resumed step, config.json written and printed; returns the
+    trackers."""
+    for name in ("metrics.jsonl", "episodes.jsonl"):
+        truncate_metrics(os.path.join(cfg.out_dir, name), start)
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=1)
     print("config:", json.dumps(dataclasses.asdict(cfg)), flush=True)
     return open_trackers(cfg)
+
+
+def episode_rows(step: int, episodes, twins, n: int, world: int) -> list:
+    """n of this rank's episodes, evenly spaced over its batch (different prompts and lines), as replay.py prints
+    and checks them: turns, actions, retrieved ids, reward, the response's token ids, and each twin of theirs
+    (rollout.TwinResult: turn, kind, D, the twin's tokens from its branch point)."""
+    picked = [episodes[i] for i in sorted(set(np.linspace(0, len(episodes) - 1, n).round().astype(int)))] \
+        if episodes and n else []
+    rows = []
+    for ep in picked:
+        mine = [tw for tw in twins if tw.twin.uid == ep.uid and tw.twin.line == ep.line]
+        rows.append({"step": step, "uid": ep.uid, "line": ep.line, "world": world, "question": ep.question,
+                     "reward": ep.reward, "answer": ep.answer, "ids": ep.ids,
+                     "turns": [{"text": t.text, "action": t.action, "doc_ids": list(t.doc_ids)} for t in ep.turns],
+                     "twins": [{"turn": tw.turn, "j": tw.j, "kind": tw.kind, "diff": tw.diff, "outcome": tw.outcome,
+                                "ids": tw.twin.ids[ep.turns[tw.turn].start:]} for tw in mine]})
+    return rows
+
+
+def log_episodes(cfg, rows: list, trackers=()):
+    """Rows of episode_rows to out_dir/episodes.jsonl, as text to TensorBoard and as a table to W&B."""
+    with open(os.path.join(cfg.out_dir, "episodes.jsonl"), "a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    for tracker in trackers if rows else ():
+        texts = [(row["uid"], row["line"], row["reward"], "".join(t["text"] for t in row["turns"])) for row in rows]
+        if hasattr(tracker, "add_text"):  # TensorBoard
+            tracker.add_text("episodes", "\n\n".join(f"**uid {u} line {l}, reward {r}**\n\n    " +
+                                                      x.replace("\n", "\n    ") for u, l, r, x in texts),
+                             rows[0]["step"])
+        else:  # W&B
+            import wandb
+            tracker.log({"episodes": wandb.Table(columns=["uid", "line", "reward", "text"],
+                                                 data=[list(t) for t in texts])}, step=rows[0]["step"])
 
 
 def end_log(cfg, final: dict, trackers):

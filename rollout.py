@@ -400,3 +400,15 @@ def turn_spans(episodes) -> list:
     """Per episode, (start, end) of each turn's sampled tokens in collate's rows (the response follows the prompt)."""
     return [[(len(ep.prompt_ids) + t.start, len(ep.prompt_ids) + t.end) for t in ep.turns] for ep in episodes]
 
+
+
+
+if __name__ == "__main__":  # python rollout.py replay ...: runs replay.py as a script (it imports this module)
+    import os
+    import runpy
+    import sys
+    if sys.argv[1:2] != ["replay"]:
+        raise SystemExit("usage: python rollout.py replay --run DIR --step N --uid U --line L [--twin T | --twins] "
+                         "(replay.py)")
+    sys.argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.py")] + sys.argv[2:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -135,6 +135,7 @@ class Config:
     eval_tokens: int = 0            # also evaluate at the first step and whenever generated tokens pass a multiple
     eval_size: int = 0              # questions per periodic evaluation (0 = all; the final: all)
     save_every: int = 0             # steps between checkpoints (0 = only at the end)
+    log_episodes: int = 2           # episodes per step logged as text and tokens (episodes.jsonl; replay.py)
     keep_checkpoints: int = 2       # newest checkpoints kept besides the last one; older are deleted (0 = keep all)
     log_tensorboard: bool = True    # every metric as TensorBoard scalars too (out_dir/tb)
     log_wandb: bool = False         # Weights & Biases too (WANDB_MODE=offline: no network)
@@ -156,7 +157,7 @@ class Config:
                     "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
                     "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0,
-                    "keep_checkpoints": 0}
+                    "keep_checkpoints": 0, "log_episodes": 0}
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1, "collective_timeout_h": 0}
         unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
@@ -199,6 +200,7 @@ class Run:
     n_micro: int                    # micro-batches per mini-batch (gradient accumulation)
     weight_norm0: float = 0.0       # the initial weight norm (divergence check)
     tokens: int = 0                 # generated tokens so far, factual + aux (token_budget)
+    episode_log: list = None        # this step's logged episodes (checkpoint.episode_rows), rank 0's
 
 
 def gather_list(accel, items: list) -> list:
@@ -303,6 +305,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         else:
             adv, stats = run.method.advantages(run, step, episodes, batch, proto)
         times["twins"] = time.time()
+        run.episode_log = checkpoint.episode_rows(step, episodes, stats.get("twins", []), cfg.log_episodes,
+                                                  accel.num_processes) if accel.is_main_process else []
         # log-prob k predicts token k + 1 (token_logprobs): token k's advantage moves to k - 1
         adv = torch.tensor(adv[:, 1:], dtype=torch.float32, device=accel.device)
         old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True,
@@ -493,6 +497,7 @@ def train(cfg: Config):
             metrics["weights_spread"] = weights_spread(accel, run.policy)
         if accel.is_main_process:
             checkpoint.log_metrics(cfg, metrics, trackers)
+            checkpoint.log_episodes(cfg, run.episode_log, trackers)
         if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
             checkpoint.save(cfg, run, done)
     final = {"step": done, "tokens": run.tokens}

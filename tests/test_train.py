@@ -255,6 +255,10 @@ def test_tensorboard_events_hold_the_logged_scalars(tiny_world, tmp_path):
     for key in ("reward", "kl", "twins", "eval_em", "factual_tokens"):
         got = [(e.step, e.value) for e in events.Scalars(key)]
         assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in rows], key
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in events.Tensors("episodes/text_summary")]
+    logged = [json.loads(line) for line in open(os.path.join(out, "episodes.jsonl"))]
+    assert [s for s, _ in texts] == [0, 1] and all(f"uid {r['uid']} line {r['line']}" in texts[r["step"]][1]
+                                                   for r in logged)
 
 
 def test_wandb_offline_logs_every_scalar(tiny_world, tmp_path, monkeypatch):
@@ -273,6 +277,9 @@ def test_wandb_offline_logs_every_scalar(tiny_world, tmp_path, monkeypatch):
     out = str(tmp_path / "wb")
     tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=0", "--log_wandb", "--log_tensorboard=false"))
     rows = [r for r in read_metrics(out) if not r.get("final")]
+    tables = [(s, data["episodes"]) for s, data in logged if "episodes" in data]  # the episode log (log_episodes)
+    assert [s for s, t in tables] == [r["step"] for r in rows] and all(len(t.data) == 2 for _, t in tables)
+    logged = [(s, data) for s, data in logged if "episodes" not in data]
     assert [s for s, _ in logged] == [r["step"] for r in rows]
     for (_, data), row in zip(logged, rows):
         assert data == {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
