@@ -123,8 +123,9 @@ RUNS    ?= runs
 PORT    ?= 8000
 NGPU    ?= 8
 ACCEL   := $(VENV)/bin/accelerate
-URL      = http://127.0.0.1:$(PORT)/retrieve
-HEALTH   = $(qPY) -c "import requests; requests.get('http://127.0.0.1:$(PORT)/health', timeout=5).raise_for_status()"
+RHOST   ?= 127.0.0.1
+URL      = http://$(RHOST):$(PORT)/retrieve
+HEALTH   = $(qPY) -c "import requests; requests.get('http://$(RHOST):$(PORT)/health', timeout=5).raise_for_status()"
 TESTS   := nq triviaqa popqa hotpotqa 2wikimultihopqa musique bamboogle
 RUN      = $(RUNS)/qwen2.5-$(SIZE)
 qRUNS    = $(call q,$(RUNS))
@@ -149,9 +150,9 @@ EST_eval_3b  := 51,713 questions, one test set per GPU (PopQA's 14,267 set the p
 EST_eval_7b  := 51,713 questions, one test set per GPU (PopQA's 14,267 set the pace): ~3-5 h, ~0.3 GB of records
 
 .PHONY: reproduce-3b reproduce-7b reproduce install-gpu reproduce-models retriever-up retriever-down
-ifneq ($(filter reproduce reproduce-models,$(MAKECMDGOALS)),)
+ifneq ($(filter reproduce reproduce-models train-2nodes,$(MAKECMDGOALS)),)
 ifeq ($(filter 3b 7b,$(SIZE)),)
-$(error SIZE must be 3b or 7b: run `make reproduce-3b` or `make reproduce-7b`)
+$(error SIZE must be 3b or 7b: run `make reproduce-3b`, `make reproduce-7b` or `make train-2nodes SIZE=3b`)
 endif
 endif
 
@@ -185,7 +186,7 @@ retriever-up:
 	$(info == step 3/7 retriever server on port $(PORT): $(EST_server))
 	mkdir -p $(qRUNS)
 	if ! $(HEALTH) 2>/dev/null; then \
-	  nohup $(qPY) server.py serve --index $(qSR1)/index --host 127.0.0.1 --port $(PORT) --fp16 \
+	  nohup $(qPY) server.py serve --index $(qSR1)/index --host $(RHOST) --port $(PORT) --fp16 \
 	    > $(qRUNS)/retriever.log 2>&1 & echo $$! > $(qRUNS)/retriever.pid; fi
 	for i in $$(seq 360); do $(HEALTH) 2>/dev/null && exit 0; \
 	  if [ -f $(qRUNS)/retriever.pid ] && ! kill -0 $$(cat $(qRUNS)/retriever.pid) 2>/dev/null; then \
@@ -230,3 +231,23 @@ $(tRUN)-%/eval/DONE: $(tRUN)-%/DONE
 $(tRUN)-report.md: $(tRUN)-grpo/DONE $(tRUN)-twice/DONE $(tRUN)-grpo/eval/DONE $(tRUN)-twice/eval/DONE
 	$(info == step 7/7 report: $@)
 	$(qPY) report.py paper --paper $(SIZE) --out $(call q,$@) GRPO=$(qRUN)-grpo/eval TWICE=$(qRUN)-twice/eval
+
+# Two nodes of NGPU GPUs each (configs/accelerate_2nodes.yaml for 3B; ZeRO-2's config for 7B, widened by the flags).
+# On node 0: `make retriever-up RHOST=<node 0's address>` (the server both nodes query), then on each node
+# `make train-2nodes SIZE=3b NODE_RANK=0|1 MAIN_IP=<node 0's address> OUT=<run folder on storage both nodes mount>`.
+# Continues from OUT's last checkpoint; ARGS adds training flags.
+MAIN_IP   ?= 10.0.0.1
+MAIN_PORT ?= 29500
+NODE_RANK ?= 0
+RETRIEVER_URL ?= http://$(MAIN_IP):$(PORT)/retrieve
+OUT       ?= $(RUNS)/qwen2.5-$(SIZE)-2nodes
+ACCEL2_CFG_3b := configs/accelerate_2nodes.yaml
+ACCEL2_CFG_7b := configs/accelerate_zero2.yaml
+
+.PHONY: train-2nodes
+train-2nodes: install $(if $(filter 7b,$(SIZE)),install-gpu)
+	resume=$$(ls -d $(call q,$(OUT))/step_?????? 2>/dev/null | tail -n 1); \
+	$(call q,$(ACCEL)) launch --config_file $(ACCEL2_CFG_$(SIZE)) --num_machines 2 --num_processes $$((2 * $(NGPU))) \
+	  --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_IP) --main_process_port $(MAIN_PORT) \
+	  train_twice.py configs/qwen2.5-$(SIZE).cfg --out_dir=$(call q,$(OUT)) --retriever_url=$(RETRIEVER_URL) $(ARGS) \
+	  $${resume:+"--resume=$$resume"}

@@ -124,19 +124,57 @@ def test_nonfinite_loss_fails_loudly():
     assert not torch.isfinite(loss.sum())  # ppo_update turns this into FloatingPointError (checked every micro-batch)
 
 
+def cpu_launch(script, out, tiny_world, *launch, flags=("--steps=2", "--eval_every=0")) -> tuple:
+    """(command, environment) of `accelerate launch LAUNCH... SCRIPT` of a tiny run on CPU processes (gloo)."""
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--mixed_precision", "no", "--dynamo_backend",
+           "no", script, f"--world={tiny_world}", f"--out_dir={out}", *TINY, *flags]
+    return cmd, env
+
+
+def assert_ranks_in_sync(out, steps=2):
+    """Both ranks held the same weights after every step (weights_spread: max - min of a float64 checksum)."""
+    rows = [r for r in read_metrics(out) if not r.get("final")]
+    assert len(rows) == steps and all(r["weights_spread"] == 0.0 for r in rows), rows
+
+
 def test_two_cpu_processes_stay_in_sync(tiny_world, tmp_path):
     """accelerate launch --multi_gpu --num_processes 2 on CPU (gloo): it completes and both ranks hold the same
-    weights after every step (weights_spread is max - min of a float64 checksum over ranks)."""
+    weights after every step."""
     out = str(tmp_path / "ddp")
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           os.path.join(ROOT, "train_twice.py"), f"--world={tiny_world}", f"--out_dir={out}", *TINY,
-           "--steps=2", "--eval_every=0"]
+    cmd, env = cpu_launch(os.path.join(ROOT, "train_twice.py"), out, tiny_world, "--multi_gpu", "--num_processes",
+                          "2", "--num_machines", "1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [r for r in read_metrics(out) if not r.get("final")]
-    assert len(rows) == 2 and all(r["weights_spread"] == 0.0 for r in rows)
+    assert_ranks_in_sync(out)
+
+
+def test_two_machines_stay_in_sync(tiny_world, tmp_path):
+    """configs/accelerate_2nodes.yaml as `make train-2nodes` launches it, with two "machines" on this host: one
+    launcher per machine rank, one CPU process each, meeting at 127.0.0.1:PORT; the run completes and both hold the
+    same weights after every step."""
+    import socket
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "2nodes")
+    procs = []
+    for rank in (0, 1):
+        cmd, env = cpu_launch(os.path.join(ROOT, "train_twice.py"), out, tiny_world, "--config_file",
+                              os.path.join(ROOT, "configs", "accelerate_2nodes.yaml"), "--num_machines", "2",
+                              "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                              str(port), "--num_processes", "2")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        results = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    assert_ranks_in_sync(out)
 
 
 DRIVER = """import os, sys
@@ -160,10 +198,8 @@ def test_a_non_finite_loss_on_one_rank_stops_both_with_a_message(tiny_world, tmp
     collective, and nothing is saved."""
     out, driver = str(tmp_path / "ddp-nan"), tmp_path / "driver.py"
     driver.write_text(DRIVER.format(root=ROOT))
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(driver),
-           f"--world={tiny_world}", f"--out_dir={out}", *TINY, "--steps=2", "--eval_every=0", "--save_every=1"]
+    cmd, env = cpu_launch(str(driver), out, tiny_world, "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                          flags=("--steps=2", "--eval_every=0", "--save_every=1"))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode != 0
     for rank in (0, 1):
