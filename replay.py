@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+import baselines
 import checkpoint
 import config
 import eval as qa_eval
@@ -121,6 +122,9 @@ def replay(opts: Replay) -> int:
     path, state = policy_of(opts.run, opts.step)
     known = {f for f in tt.Config.__dataclass_fields__}
     cfg = tt.Config(**{k: v for k, v in state["config"].items() if k in known})
+    if type(methods.make(cfg)).rollout is not baselines.Method.rollout:  # ARPO's and Tree-GRPO's trees
+        raise ValueError(f"method {cfg.method} samples its own trees (baselines.py): replay regenerates the factual "
+                         "episode loop of grpo, twice and the methods that share it")
     trained = [r["step"] for _, r in checkpoint.read_metrics(os.path.join(opts.run, "metrics.jsonl"))
                if not r.get("final")] if os.path.exists(os.path.join(opts.run, "metrics.jsonl")) else []
     if opts.step not in trained:

@@ -43,6 +43,12 @@ def test_replay_regenerates_the_logged_episodes_and_twins_token_for_token(tiny_w
                           cwd=ROOT, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 1 and "tokens DIFFER from episodes.jsonl" in proc.stdout, proc.stderr[-2000:]
 
+    state_file = os.path.join(out, "step_000001", "run.json")
+    state = json.load(open(state_file))
+    state["config"]["method"] = "arpo"
+    json.dump(state, open(state_file, "w"))
+    with pytest.raises(ValueError, match="method arpo samples its own trees"):  # not the factual loop: refused
+        replay.replay(replay.Replay(run=out, step=1, uid=str(r["uid"]), line=r["line"]))
     shutil.rmtree(os.path.join(out, "step_000001"))
     with pytest.raises(ValueError, match=r"step 1 has no checkpoint step_000001 .*checkpoints exist for steps 2;"):
         replay.replay(replay.Replay(run=out, step=1, uid=str(r["uid"]), line=r["line"]))
