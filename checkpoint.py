@@ -184,7 +184,8 @@ def read_state(ckpt: str) -> dict:
     return state
 
 
-RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "episodes.jsonl", "episodes.jsonl.orphaned", "config.json", "learning_curve.png", "tb", "wandb", "run.id")
+RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "episodes.jsonl", "episodes.jsonl.orphaned", "config.json",
+             "learning_curve.png", "tb", "wandb", "run.id")
 LOCK_FILE, RUN_ID_FILE = ".lock", "run.id"
 
 

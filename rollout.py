@@ -401,8 +401,6 @@ def turn_spans(episodes) -> list:
     return [[(len(ep.prompt_ids) + t.start, len(ep.prompt_ids) + t.end) for t in ep.turns] for ep in episodes]
 
 
-
-
 if __name__ == "__main__":  # python rollout.py replay ...: runs replay.py as a script (it imports this module)
     import os
     import runpy
