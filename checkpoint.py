@@ -83,7 +83,7 @@ def recover_checkpoints(out_dir: str):
     """After a crash inside swap_in: step_N.old whose step_N is missing is the complete checkpoint, put back. After a
     crash inside prune_checkpoints: step_N.del (renamed there, a pruned checkpoint) finishes being deleted."""
     for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
-        if CHECKPOINT.fullmatch(name[:-4]) and name.endswith(".del"):
+        if name.endswith(".del") and CHECKPOINT.fullmatch(name[:-4]):
             shutil.rmtree(os.path.join(out_dir, name))
         if name.startswith("step_") and name.endswith(".old"):
             old, final = os.path.join(out_dir, name), os.path.join(out_dir, name[:-4])
@@ -97,6 +97,12 @@ def recover_checkpoints(out_dir: str):
 CHECKPOINT = re.compile(r"step_(\d{6})")  # a checkpoint folder's name (save); step_N.tmp/.old/.del are not
 
 
+def checkpoint_steps(out_dir: str) -> list:
+    """Sorted (step, path) of out_dir's checkpoint folders (names matching CHECKPOINT)."""
+    found = ((CHECKPOINT.fullmatch(name), os.path.join(out_dir, name)) for name in os.listdir(out_dir))
+    return sorted((int(m.group(1)), path) for m, path in found if m and os.path.isdir(path))
+
+
 def prune_checkpoints(out_dir: str, keep: int, step: int, last: bool = False) -> list:
     """Delete this run's checkpoints older than its `keep` newest at steps <= step (the last one of a run is kept on
     top: keep + 1 remain). Called only once step's checkpoint is complete and swapped in, so the newest checkpoint,
@@ -108,16 +114,13 @@ def prune_checkpoints(out_dir: str, keep: int, step: int, last: bool = False) ->
     if keep <= 0 or not rid:
         return []
     ours = []
-    for name in os.listdir(out_dir):
-        m, path = CHECKPOINT.fullmatch(name), os.path.join(out_dir, name)
-        if not m or int(m.group(1)) > step or not os.path.isdir(path):
-            continue
+    for n, path in checkpoint_steps(out_dir):
         try:
-            if read_state(path).get("run_id") == rid:
-                ours.append((int(m.group(1)), path))
+            if n <= step and read_state(path).get("run_id") == rid:
+                ours.append(path)
         except ValueError:  # no readable run.json: not a checkpoint of this run, not ours to delete
             continue
-    doomed = [path for _, path in sorted(ours)[:-(keep + 1 if last else keep)]]
+    doomed = ours[:-(keep + 1 if last else keep)]
     for path in doomed:
         os.replace(path, path + ".del")
         shutil.rmtree(path + ".del")
@@ -351,13 +354,23 @@ def episode_rows(step: int, episodes, twins, n: int, world: int) -> list:
         if episodes and n else []
     rows = []
     for ep in picked:
-        mine = [tw for tw in twins if tw.twin.uid == ep.uid and tw.twin.line == ep.line]
+        mine = twins_of(ep, twins)
         rows.append({"step": step, "uid": ep.uid, "line": ep.line, "world": world, "question": ep.question,
                      "reward": ep.reward, "answer": ep.answer, "ids": ep.ids,
                      "turns": [{"text": t.text, "action": t.action, "doc_ids": list(t.doc_ids)} for t in ep.turns],
                      "twins": [{"turn": tw.turn, "j": tw.j, "kind": tw.kind, "diff": tw.diff, "outcome": tw.outcome,
-                                "ids": tw.twin.ids[ep.turns[tw.turn].start:]} for tw in mine]})
+                                "ids": twin_tokens(ep, tw)} for tw in mine]})
     return rows
+
+
+def twins_of(ep, twins) -> list:
+    """The twins (rollout.TwinResult) branched from episode ep."""
+    return [tw for tw in twins if (tw.twin.uid, tw.twin.line) == (ep.uid, ep.line)]
+
+
+def twin_tokens(ep, tw) -> list:
+    """A twin's response tokens from its branch point (the start of the turn it changed) on."""
+    return tw.twin.ids[ep.turns[tw.turn].start:]
 
 
 def log_episodes(cfg, rows: list, trackers=()):

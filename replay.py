@@ -56,7 +56,7 @@ def policy_of(run_dir: str, step: int) -> tuple:
     ckpt = os.path.join(run_dir, f"step_{step:06d}")
     if os.path.isdir(ckpt):
         return os.path.join(ckpt, "policy"), checkpoint.read_state(ckpt)
-    have = sorted(int(m.group(1)) for m in map(checkpoint.CHECKPOINT.fullmatch, os.listdir(run_dir)) if m)
+    have = [n for n, _ in checkpoint.checkpoint_steps(run_dir)]
     if step == 0 and have:  # the initial policy: the run's cfg.model, loaded as setup() loads it
         state = checkpoint.read_state(os.path.join(run_dir, f"step_{have[0]:06d}"))
         return state["config"]["model"], {**state, "predictor": None}
@@ -140,14 +140,13 @@ def replay(opts: Replay) -> int:
     ep = next((e for e in episodes if (e.uid, e.line) == (uid, opts.line)), None)
     if ep is None:
         raise ValueError(f"uid {uid} has no line {opts.line} (group_size {cfg.group_size})")
-    mine = [tw for tw in twins if (tw.twin.uid, tw.twin.line) == (uid, opts.line) and
-            (opts.twins or tw.turn == opts.twin)]
+    mine = [tw for tw in checkpoint.twins_of(ep, twins) if opts.twins or tw.turn == opts.twin]
     print(f"step {opts.step} of {opts.run}, policy {path}, method {cfg.method}")
     print(show(ep, mine))
     if row is None:
         print("(not in episodes.jsonl: nothing to check against)")
         return 0
-    same = row["ids"] == ep.ids and all(any(t["ids"] == tw.twin.ids[ep.turns[tw.turn].start:] for t in row["twins"])
+    same = row["ids"] == ep.ids and all(any(t["ids"] == checkpoint.twin_tokens(ep, tw) for t in row["twins"])
                                         for tw in mine)
     print("tokens identical to episodes.jsonl" if same else "tokens DIFFER from episodes.jsonl")
     return 0 if same else 1
