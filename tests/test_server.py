@@ -322,7 +322,11 @@ def test_batcher_workers_share_rounds_and_finish_out_of_order():
 def test_big_request_does_not_stall_small_ones(world):
     retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
     server, url = S.start_server(retriever)
-    big = S.bench_queries(240, "big")  # ~1.2 s of encoding on one free core
+    # the big request must outlast the 0.3 s head start by far on any CPU: sized from a timed in-process batch
+    start = time.perf_counter()
+    retriever.search(S.bench_queries(64, "calibrate"), topk=3)
+    per_query = (time.perf_counter() - start) / 64
+    big = S.bench_queries(int(min(5000, max(240, 2.0 / per_query))), "big")  # ~2 s of encoding
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             job = pool.submit(S._timed_post, url, big)
