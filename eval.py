@@ -253,7 +253,10 @@ def load_policy(path: str, device=None, dtype=None):
     """(model, tokenizer) from an HF folder or hub id; refuses a tokenizer whose ids the model cannot embed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    # on a GPU each tensor goes from the file straight to the device: no whole host copy per rank (8 ranks of 7B
+    # in fp32 held ~245 GB of host RAM at once)
+    direct = {"device_map": str(device)} if str(device or "cpu").startswith("cuda") else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **direct)
     n_embed = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > n_embed:
         raise ValueError(f"{path}: tokenizer has {len(tokenizer)} tokens but the model embeds only {n_embed}: "

@@ -316,7 +316,7 @@ class AgentPRM(_Learned):
                 returns.append(cfg.gamma ** (len(ep.turns) - 1 - t) * ep.reward)
         requests = [(ep, t, True, sampler.fresh_key(ep.key, sampler.MC_Q_TAG, t, k)) for ep in episodes
                     for t in range(len(ep.turns) - 1) for k in range(cfg.prm_rollouts)]
-        branches = rollout.continue_from(run.accel.unwrap_model(run.policy), run.tok, run.retriever, requests,
+        branches = rollout.continue_from(self.policy(run), run.tok, run.retriever, requests,
                                          proto) if requests else []
         for (ep, t, _, _), br in zip(requests, branches):
             keys.append(np.asarray(ep.prompt_ids + ep.ids[:ep.turns[t].end], dtype=np.int64).tobytes())

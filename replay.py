@@ -79,13 +79,14 @@ def regenerate(cfg, policy, tok, retriever, rows, step: int, uid: int, world: in
         raise ValueError(f"uid {uid} is not among step {step}'s prompts (seed {cfg.seed}, {world} rank(s))")
     prompts = rollout.step_prompts(rows, cfg.prompts_per_step, cfg.seed, step, ranks[0], world)
     proto = protocol.protocol_from(cfg)
-    autocast = torch.autocast("cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16, enabled=cfg.bf16)
-    with torch.no_grad(), autocast:
-        episodes = rollout.run_episodes(policy, tok, retriever,
+    sampler = tt.sampling_copy(policy, torch.bfloat16 if cfg.bf16 else None)  # the weights train_step samples from
+    with torch.no_grad():
+        episodes = rollout.run_episodes(sampler, tok, retriever,
                                         rollout.start_episodes(tok, prompts, cfg.seed, step, cfg.group_size), proto)
         twins = []
         if cfg.method in methods.TWIN_METHODS:
             run = SimpleNamespace(accel=SimpleNamespace(num_processes=1, unwrap_model=lambda m: m), policy=policy,
+                                  sampler=sampler,
                                   tok=tok, retriever=retriever, method=methods.make(cfg),
                                   predictor=tt.credit.DiscordancePredictor(),
                                   sigma_hat=tt.credit.RunningScale(cfg.scale_decay))

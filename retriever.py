@@ -48,6 +48,10 @@ S4. An fp16 encoder's hidden states are pooled and normalised in float32 (Search
 S10. At most MAX_QUERIES queries per search (`check_queries`: a ValueError naming the cap); Search-R1 has no cap.
 S11. A query that is not valid Unicode (a lone surrogate) is refused with a ValueError: the tokenizer would fail.
 S14. Queries are encoded in packs or fixed-shape batches, Determinism (1) (Search-R1 pads free-size batches of 512).
+S17. index_fp16 keeps the index's GPU shards in float16 (half of each training GPU's share; Search-R1 shards float32
+     or searches on the CPU): the candidates of each query are re-scored exactly as always, and a query whose
+     candidates are not certified to hold the exact top k (`certified`) is searched again with twice as many, so
+     the answers equal the float32 index's.
 
 Commands (serving an index: server.py)
   # tiny world (CPU): build, query
@@ -86,6 +90,7 @@ ENCODER_PREFIXES = {"e5": ("query: ", "passage: "), E5: ("query: ", "passage: ")
 MAX_LENGTH = 256  # tokens per query or passage (Search-R1 retrieval_query_max_length)
 TOPK = 3  # documents per search (Search-R1 retrieval_topk)
 CANDIDATE_MARGIN = 16  # extra FAISS candidates re-scored exactly, Determinism (2)
+FAISS_TEMP = 512 << 20  # bytes of scratch per GPU for FAISS's brute-force search (its default: 1.5 GiB)
 FINGERPRINT_BYTES = 1 << 20  # bytes hashed at each end of the corpus
 PACK_TOKENS = 128  # token rows of every packed query forward, Determinism (1a); per token within ~6% of 256 or 512
 #                   on CPU, and half their cost for a query alone
@@ -578,17 +583,45 @@ def search_r1_index_dir(index_path: str, corpus: str, encoder: str, retriever_na
                   "writable folder, or run `retriever.py describe-prebuilt` and pass the folder as --index_path")
 
 
-def load_vectors(index_path: str, meta: dict, gpu: bool) -> tuple:
-    """-> (exact float32 vectors for re-scoring, the index to search: the same, or its copy sharded over all GPUs)."""
+def load_vectors(index_path: str, meta: dict, gpu: bool, fp16: bool = False) -> tuple:
+    """-> (exact float32 vectors for re-scoring, the index to search, its GPU resources or None). The index is the
+    vectors themselves, or on GPUs their copy sharded over all of them: float32, or with fp16 float16 (half of
+    every GPU's share: 3.8 GiB of wiki-18 on each of 8 GPUs instead of 7.5; its candidates are certified,
+    `certified`). fp16 without GPUs: a float16 scalar-quantized copy, the same rounding (what the tests run)."""
     vectors = read_flat_index(index_path, mmap=gpu)  # with GPUs the host copy is only mapped, not loaded
     if vectors.ntotal != meta["n_rows"] or vectors.d != meta["dim"]:
         raise ValueError(f"{index_path} holds {vectors.ntotal} vectors of dim {vectors.d} but {META_FILE} and "
                          f"{OFFSETS_FILE} say {meta['n_rows']} rows of dim {meta['dim']}")
+    if not gpu and not fp16:
+        return vectors, vectors, None
     if not gpu:
-        return vectors, vectors
+        half = faiss.IndexScalarQuantizer(vectors.d, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+        half.add(vectors.reconstruct_n(0, vectors.ntotal))
+        return vectors, half, None
     options = faiss.GpuMultipleClonerOptions()
-    options.shard = True  # float32 (no useFloat16): candidates stay exact up to float32 rounding
-    return vectors, faiss.index_cpu_to_all_gpus(vectors, co=options)
+    options.shard, options.useFloat16 = True, fp16
+    resources = [faiss.StandardGpuResources() for _ in range(faiss.get_num_gpus())]
+    for res in resources:
+        res.setTempMemory(FAISS_TEMP)
+    return vectors, faiss.index_cpu_to_gpu_multiple_py(resources, vectors, co=options), resources
+
+
+def fp16_error(vectors, chunk: int = 1 << 20) -> float:
+    """Bound, per unit of query norm, on |FAISS's float16 score - the exact inner product| of any row: a float16
+    query and row (relative rounding u = 2^-11 each) summed in float32 over d terms, |q . v| <= |q| max |v|."""
+    top = 0.0
+    for start in range(0, vectors.ntotal, chunk):  # one pass over the mapped file (wiki-18: ~1 min at load)
+        block = vectors.reconstruct_n(start, min(chunk, vectors.ntotal - start))
+        top = max(top, float(np.sqrt(np.einsum("ij,ij->i", block, block, dtype=np.float64)).max()))
+    u, d = 2.0 ** -11, vectors.d
+    return (2 * u + u * u + 1.01 * d * 2.0 ** -24) * top * 1.001 + d * 2.0 ** -24
+
+
+def certified(exact_kth: float, approx: np.ndarray, error: float) -> bool:
+    """The exact top k is among FAISS's candidates: every row it left out scored at most its last candidate's score
+    approx[-1] approximately, so at most approx[-1] + error exactly, below the k-th exact score of the candidates
+    (strictly: a tie could have been left out)."""
+    return exact_kth > approx[-1] + error
 
 
 def exact_top(rows: np.ndarray, products: np.ndarray, topk: int) -> tuple:
@@ -615,12 +648,13 @@ class DenseRetriever:
     """In-process retriever over an index folder; `search` is thread safe and a pure function of each query."""
 
     def __init__(self, index_dir: str, device=None, cache_size: int = 100_000, corpus=None, fp16: bool = False,
-                 faiss_gpu=None, cache_bytes: int = CACHE_BYTES):
+                 faiss_gpu=None, cache_bytes: int = CACHE_BYTES, index_fp16: bool = False):
         self.meta, self.offsets, self.corpus, index_path = load_index_dir(index_dir, corpus)
         self.n_rows = len(self.offsets)
         gpu = torch.cuda.is_available() and faiss.get_num_gpus() > 0 and device != "cpu"
         gpu = gpu if faiss_gpu is None else gpu and faiss_gpu  # None: the GPUs when there are any
-        self.vectors, self.index = load_vectors(index_path, self.meta, gpu)
+        self.vectors, self.index, self._resources = load_vectors(index_path, self.meta, gpu, index_fp16)
+        self.error = fp16_error(self.vectors) if index_fp16 else None  # per unit query norm: certified() needs it
         self._file = open(self.corpus, "rb")  # rows are read with pread: no file position shared between threads
         self._size = os.fstat(self._file.fileno()).st_size
         for i in sorted({0, self.n_rows - 1, *np.linspace(0, self.n_rows - 1, 16).astype(int).tolist()}):
@@ -687,14 +721,25 @@ class DenseRetriever:
     def _search_vectors(self, vecs: np.ndarray, topk: int) -> list:
         k = min(topk + CANDIDATE_MARGIN, self.n_rows)  # DEVIATION S2: never more rows than the corpus has
         with self._index_lock:
-            _, candidates = self.index.search(vecs, k)  # (Q, k) rows; FAISS's own scores depend on the batch
+            approx, candidates = self.index.search(vecs, k)  # (Q, k) rows; FAISS's own scores depend on the batch
         results = []
-        for query, rows in zip(vecs.astype(np.float64), candidates):
-            rows = rows[rows >= 0]
-            products = self.vectors.reconstruct_batch(rows).astype(np.float64) * query  # (k, dim), exact
-            best, scores = exact_top(rows, products, topk)  # DEVIATION S1: exact scores, Determinism (2)
-            results.append([{**self._row(int(row)), "score": float(score)} for row, score in zip(best, scores)])
+        for vec, rows, scores in zip(vecs, candidates, approx):
+            best, exact = self._exact(vec, rows[rows >= 0], topk)
+            n = k
+            # DEVIATION S17: with a float16 index, a query whose candidates are not certified to hold the exact top k
+            # is searched again with twice the candidates (the float32 index's exactness, kept)
+            while self.error is not None and n < self.n_rows and len(exact) and \
+                    not certified(exact[-1], scores[rows >= 0], self.error * float(np.linalg.norm(vec))):
+                n = min(2 * n, self.n_rows)
+                with self._index_lock:
+                    scores, rows = (a[0] for a in self.index.search(vec[None], n))
+                best, exact = self._exact(vec, rows[rows >= 0], topk)
+            results.append([{**self._row(int(row)), "score": float(score)} for row, score in zip(best, exact)])
         return results
+
+    def _exact(self, vec, rows, topk) -> tuple:
+        products = self.vectors.reconstruct_batch(rows).astype(np.float64) * vec.astype(np.float64)  # (k, dim)
+        return exact_top(rows, products, topk)  # DEVIATION S1: exact scores, Determinism (2)
 
     def _remember(self, key, docs: list) -> list:
         """Cache an answer, least recently used out first, within both bounds: cache_size entries, cache_bytes bytes

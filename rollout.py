@@ -214,11 +214,21 @@ def step_turn(model, tokenizer, retriever, episodes, proto):
     return episodes
 
 
-def run_episodes(model, tokenizer, retriever, episodes, proto):
-    """Step all episodes until every one is done (at most max_turns + 1 turns each)."""
+def run_episodes(model, tokenizer, retriever, episodes, proto, release=False):
+    """Step all episodes until every one is done (at most max_turns + 1 turns each); with release, an episode's KV
+    cache is dropped as soon as it is done (nothing will branch from it)."""
     while any(not ep.done for ep in episodes):
         step_turn(model, tokenizer, retriever, episodes, proto)
+        if release:
+            release_caches([ep for ep in episodes if ep.done])
     return episodes
+
+
+def release_caches(episodes):
+    """Drop each episode's KV cache (engine.KVEntry: what its next turn or a branch would start from); memory
+    (DESIGN.md section 10). Nothing else changes: a branch taken afterwards prefills its context again."""
+    for ep in episodes:
+        ep._kv = None
 
 
 # --- twins and Monte Carlo continuations (DESIGN.md section 5) ---
@@ -286,7 +296,7 @@ def _same_evidence(factual: Turn, alt: Turn) -> bool:
 
 
 def run_twins(model, tokenizer, retriever, requests, proto, coupling=True, same_evidence_shortcut=True,
-              independent=False) -> list:
+              independent=False, chunk=0, release=False) -> list:
     """Twin of each (finished episode, turn t, j), all batched: y' ~ pi(. | s_t) with alt_key(key, t, j), then
     the factual keys for every later (turn, pos) (coupling) or fresh ones. Self-twins (y' == y_t token for token)
     and, with the shortcut, searches retrieving the same ids in the same order take D = 0 without a rollout.
@@ -295,16 +305,39 @@ def run_twins(model, tokenizer, retriever, requests, proto, coupling=True, same_
     turn_key(fresh_key(key, INDEPENDENT_TAG, t, j), turn), every twin is rolled out (a self-twin too: its future
     noise is fresh, so it is not the factual episode) and the shortcut is off. coupling=False alone keeps the old
     ablation, which still scores self-twins and shortcuts as D = 0 (a coupled outcome).
+
+    Memory (DESIGN.md section 10): chunk > 0 runs the requests in consecutive chunks of that many, each finished
+    before the next begins, so only one chunk's twins hold KV caches at once (every draw is keyed: the same twins).
+    release: a requested episode's cache is dropped once the twins of its last request are branched (they hold what
+    they need), and each twin's once it is done.
     """
-    twins = []
-    for i, (ep, t, j) in enumerate(requests):
-        if not ep.done:
-            raise ValueError(f"request {i}: twins branch from finished episodes")
-        if independent:
-            twins.append(branch(ep, t, fresh_seed=fresh_key(ep.key, INDEPENDENT_TAG, t, j)))
-            continue
-        fresh = None if coupling else fresh_key(ep.key, UNCOUPLED_TAG, t, j)
-        twins.append(branch(ep, t, key_overrides={t: alt_key(ep.key, t, j)}, fresh_seed=fresh))
+    size, out = chunk or max(len(requests), 1), []
+    last = {id(ep): i for i, (ep, _, _) in enumerate(requests)}
+    for c in range(0, len(requests), size):
+        part = requests[c:c + size]
+        twins = [_twin_branch(c + i, ep, t, j, coupling, independent) for i, (ep, t, j) in enumerate(part)]
+        if release:
+            release_caches([ep for ep, _, _ in part if last[id(ep)] < c + size])
+        kinds = _run_twin_chunk(model, tokenizer, retriever, part, twins, proto, same_evidence_shortcut, independent,
+                                release)
+        out += [TwinResult(c + i, t, j, kind, tw.reward, ep.reward - tw.reward, tw.n_generated, tw)
+                for i, ((ep, t, j), kind, tw) in enumerate(zip(part, kinds, twins))]
+    return out
+
+
+def _twin_branch(i, ep, t, j, coupling, independent) -> Episode:
+    """The j-th twin of (episode, turn t): its alternative turn's key and the keys after it."""
+    if not ep.done:
+        raise ValueError(f"request {i}: twins branch from finished episodes")
+    if independent:
+        return branch(ep, t, fresh_seed=fresh_key(ep.key, INDEPENDENT_TAG, t, j))
+    fresh = None if coupling else fresh_key(ep.key, UNCOUPLED_TAG, t, j)
+    return branch(ep, t, key_overrides={t: alt_key(ep.key, t, j)}, fresh_seed=fresh)
+
+
+def _run_twin_chunk(model, tokenizer, retriever, requests, twins, proto, same_evidence_shortcut, independent,
+                    release) -> list:
+    """y' for every twin at once, then the rolled-out twins to their end; returns each twin's kind."""
     gens = generate_turn(model, tokenizer, twins, proto) if twins else []
     kinds, live = [], []
     for (ep, t, _), twin, gen in zip(requests, twins, gens):
@@ -322,9 +355,11 @@ def run_twins(model, tokenizer, retriever, requests, proto, coupling=True, same_
             kinds[i] = "same_evidence"
         if kinds[i] != "rollout":
             twins[i].answer, twins[i].reward, twins[i].done = ep.answer, ep.reward, True
-    run_episodes(model, tokenizer, retriever, [tw for tw, kind in zip(twins, kinds) if kind == "rollout"], proto)
-    return [TwinResult(i, t, j, kind, tw.reward, ep.reward - tw.reward, tw.n_generated, tw)
-            for i, ((ep, t, j), kind, tw) in enumerate(zip(requests, kinds, twins))]
+    rolled = [tw for tw, kind in zip(twins, kinds) if kind == "rollout"]
+    if release:
+        release_caches([tw for tw, kind in zip(twins, kinds) if kind != "rollout"])
+    run_episodes(model, tokenizer, retriever, rolled, proto, release=release)
+    return kinds
 
 
 def continue_from(model, tokenizer, retriever, requests, proto) -> list:

@@ -46,6 +46,7 @@ ORDER_TAG = 0x6F7264          # "ord": the audit's question order (audit)
 REROLL_TAG = 0x72726F6C       # "rrol": the audit's re-rolled factual episodes F_r (audit)
 GROUP_TAG = 0x67727030        # "grp0": the run seed of the audit's fresh GRPO lines (audit)
 METHOD_TAG = 0x6D657468       # "meth": F_r's own key for what a method samples from it (audit)
+SCRIPT_TAG = 0x73637270       # "scrp": the memory ledger's scripted agent: its turns' lengths and actions (ledger.py)
 
 
 def _fmix64(x: int) -> int:

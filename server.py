@@ -530,9 +530,10 @@ def freeze_heap():
 
 
 def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None, cache_size: int = 100_000,
-          corpus=None, fp16: bool = False, faiss_gpu=None, cache_bytes: int = CACHE_BYTES, **options):
+          corpus=None, fp16: bool = False, faiss_gpu=None, cache_bytes: int = CACHE_BYTES, index_fp16: bool = False,
+          **options):
     """Load the index and serve it until interrupted."""
-    retriever = DenseRetriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu, cache_bytes)
+    retriever = DenseRetriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu, cache_bytes, index_fp16)
     with make_server(retriever, host, port, **options) as server:
         print(f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve",
               flush=True)
@@ -696,6 +697,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for p in (server, bench):
         p.add_argument("--device", default=None if p is not bench else "cpu", help="default: cuda if any, else cpu")
     server.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
+    server.add_argument("--index_fp16", action="store_true", help="the index's GPU shards in float16, answers "
+                        "certified exact (half the memory on each GPU beside training; DEVIATION S17)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0].startswith("--") and argv[0] != "--help":  # Search-R1's launch line names no subcommand
         argv = ["serve", *argv]
@@ -722,7 +725,8 @@ def main(argv=None):
         index = search_r1_index_dir(args.index, args.corpus, args.retriever_model, args.retriever_name)
         corpus = None if index != args.index else args.corpus  # a described folder records its corpus
         serve(index, args.host, args.port, args.device, args.cache_size, corpus, args.fp16,
-              True if args.faiss_gpu else None, args.cache_bytes, default_topk=args.topk, max_queries=args.max_queries,
+              True if args.faiss_gpu else None, args.cache_bytes, args.index_fp16, default_topk=args.topk,
+              max_queries=args.max_queries,
               workers=args.workers, max_query_bytes=args.max_query_bytes, max_connections=args.max_connections)
 
 

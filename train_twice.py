@@ -30,11 +30,13 @@ Launch:
   make demo                                            # CPU, built-in tiny world, minutes
   python train_twice.py --help                         # every option, its default and meaning
   python train_twice.py configs/qwen2.5-3b.cfg --steps=5                   # one GPU, real model
-  accelerate launch --config_file configs/accelerate_ddp.yaml train_twice.py \
-      configs/qwen2.5-3b.cfg                                               # 8 GPUs
+  accelerate launch --config_file configs/accelerate_zero2.yaml train_twice.py \
+      configs/qwen2.5-3b.cfg                                               # 8 GPUs (DeepSpeed ZeRO-2)
   ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
       train_twice.py configs/demo.cfg                                      # 2 CPU ranks
 """
+import contextlib
+import copy
 import datetime
 import math
 import os
@@ -93,6 +95,7 @@ class Config:
     coupling: bool = True           # twins replay the factual keys (False: partly coupled ablation)
     budget_rule: str = "sqrt"       # "sqrt" (q ~ sqrt(p / c)) or "uniform" (one q for all)
     same_evidence_shortcut: bool = True  # D = 0, no rollout, when both searches get the same ids
+    twin_chunk: int = 0             # twins rolled out together, chunk after chunk (GPU memory, DESIGN 10); 0 = all
     scale_decay: float = 0.9        # EMA decay of sigma_hat (RMS of the nonzero A_hat)
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
     # --- baselines (DESIGN 7; baselines.py, learned.py): read only by the method they name ---
@@ -128,6 +131,7 @@ class Config:
     max_weight_growth: float = 100.0  # diverged when the weight norm passes this x its start
     bf16: bool = False              # bf16 autocast (GPU)
     gradient_checkpointing: bool = False  # trade compute for memory (real models)
+    ref_offload: bool = False       # the reference stays in host memory but for its log-prob pass (GPU memory)
     collective_timeout_h: float = 6.0  # hours a collective may wait for a rank before the run fails (torch: 10 min)
     # --- run ---
     seed: int = 0                   # run seed: prompt order, every sampling key, branch draws
@@ -154,6 +158,7 @@ class Config:
         """(field, ok, rule): every value that would otherwise fail, or mislead, inside a step."""
         at_least = {"prompts_per_step": 1, "group_size": 2, "max_turns": 0, "topk": 1, "max_new_tokens": 1,
                     "max_obs_tokens": 0, "max_context": 2, "top_k": 0, "gen_batch_size": 1, "twin_budget": 0,
+                    "twin_chunk": 0,
                     "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
                     "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0,
@@ -201,6 +206,7 @@ class Run:
     weight_norm0: float = 0.0       # the initial weight norm (divergence check)
     tokens: int = 0                 # generated tokens so far, factual + aux (token_budget)
     episode_log: list = None        # this step's logged episodes (checkpoint.episode_rows), rank 0's
+    sampler: object = None          # during a step's rollout: the model episodes are sampled from (sampling_copy)
 
 
 def gather_list(accel, items: list) -> list:
@@ -283,6 +289,40 @@ def weight_norm(accel, model) -> float:  # float32 norms per tensor: no float64 
 
 
 # --------------------------------------------------------------------------------------------------
+# Where the weights are (DESIGN.md section 10: memory)
+
+def sampling_copy(model, dtype=None):
+    """The model to sample episodes from: `model` itself when its weights are already in dtype (DeepSpeed's bf16
+    module, or any run without bf16), else a copy with the weights cast to dtype (fp32 master weights under bf16
+    autocast), tied weights still tied and the class's own forward (not accelerate's autocast wrapper). Sampling
+    from it instead of under autocast keeps the KV caches in bf16 (RoPE under autocast gives fp32 keys over an fp32
+    residual stream) and holds no autocast copy of the weights while the caches grow; freed when the step drops it."""
+    params = list(model.parameters())
+    if dtype is None or all(p.dtype == dtype for p in params):
+        return model
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in params}
+    clone = copy.deepcopy(model, memo)
+    clone.__dict__.pop("forward", None)  # accelerate's autocast wrapper, bound to the original
+    clone.__dict__.pop("_original_forward", None)
+    return clone.eval()
+
+
+@contextlib.contextmanager
+def on_device(model, device):
+    """model's parameters and buffers on `device` inside the block, back on their own device after it (the reference
+    kept in host memory, ref_offload): the host copies are kept, so nothing is copied back."""
+    params = [p for p in [*model.parameters(), *model.buffers()] if p.device != torch.device(device)]
+    held = [p.data for p in params]
+    for p in params:
+        p.data = p.data.to(device, non_blocking=True)
+    try:
+        yield model
+    finally:
+        for p, data in zip(params, held):
+            p.data = data
+
+
+# --------------------------------------------------------------------------------------------------
 # One step: the method, in the order of the docstring
 
 def train_step(cfg: Config, run: Run, step: int) -> dict:
@@ -290,29 +330,39 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     policy = accel.unwrap_model(run.policy)
     policy.eval()
     proto = protocol.protocol_from(cfg)
-    with torch.no_grad(), accel.autocast():
-        # 1. Factual episodes: G lines per prompt, every token a keyed Gumbel-max draw (a baseline's own rollout).
-        prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, step, accel.process_index,
-                                       accel.num_processes)
-        episodes = run.method.rollout(run, step, prompts, proto)
-        batch = {k: v.to(accel.device) for k, v in rollout.collate(episodes, run.tok.pad_token_id,
-                                                                    cfg.max_context).items()}
-        times["rollout"] = time.time()
+    with torch.no_grad():
+        # Episodes are sampled from weights in the rollout dtype (bf16 at scale), outside any autocast: no fp32 KV,
+        # no cached casts of the weights while caches grow (memory: DESIGN.md section 10).
+        run.sampler, episodes = sampling_copy(policy, torch.bfloat16 if cfg.bf16 else None), []
+        try:
+            # 1. Factual episodes: G lines per prompt, every token a keyed Gumbel-max draw (a baseline's own rollout).
+            prompts = rollout.step_prompts(run.rows, cfg.prompts_per_step, cfg.seed, step, accel.process_index,
+                                           accel.num_processes)
+            episodes = run.method.rollout(run, step, prompts, proto)
+            batch = {k: v.to(accel.device) for k, v in rollout.collate(episodes, run.tok.pad_token_id,
+                                                                        cfg.max_context).items()}
+            times["rollout"] = time.time()
 
-        # 2.-6. Token advantages: TWICE's twin credit, or the baseline's own (baselines.Method.advantages).
-        if cfg.method in methods.TWIN_METHODS:
-            adv, stats = twin_credit(cfg, run, step, episodes, batch, proto)
-        else:
-            adv, stats = run.method.advantages(run, step, episodes, batch, proto)
+            # 2.-6. Token advantages: TWICE's twin credit, or the baseline's own (baselines.Method.advantages).
+            if cfg.method in methods.TWIN_METHODS:
+                adv, stats = twin_credit(cfg, run, step, episodes, batch, proto)
+            else:
+                with accel.autocast():
+                    adv, stats = run.method.advantages(run, step, episodes, batch, proto)
+        finally:
+            run.sampler = None
+            rollout.release_caches(episodes)  # no pass below reads a KV cache
         times["twins"] = time.time()
         run.episode_log = checkpoint.episode_rows(step, episodes, stats.get("twins", []), cfg.log_episodes,
                                                   accel.num_processes) if accel.is_main_process else []
         # log-prob k predicts token k + 1 (token_logprobs): token k's advantage moves to k - 1
         adv = torch.tensor(adv[:, 1:], dtype=torch.float32, device=accel.device)
-        old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True,
-                                              cfg.max_context)
-        ref_lp, _ = logprobs.batch_logprobs(run.ref, batch, cfg.temperature, cfg.micro_batch_size,
-                                            max_context=cfg.max_context)
+        with accel.autocast():
+            old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True,
+                                                  cfg.max_context)
+            with on_device(run.ref, accel.device):
+                ref_lp, _ = logprobs.batch_logprobs(run.ref, batch, cfg.temperature, cfg.micro_batch_size,
+                                                    max_context=cfg.max_context)
 
     # 7. PPO-clip update with the k3 KL to the reference.
     run.policy.train()
@@ -340,7 +390,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
 
 def twin_credit(cfg: Config, run: Run, step: int, episodes, batch, proto) -> tuple:
     """Steps 2-6 of TWICE: (B, L) token advantages A = A_traj + omega A_hat_t / sigma_hat and the twins' counters."""
-    accel, policy, G = run.accel, run.accel.unwrap_model(run.policy), cfg.group_size
+    accel, policy, G = run.accel, run.method.policy(run), cfg.group_size
     rewards = np.array([ep.reward for ep in episodes])
     factual_tokens = sum(ep.n_generated for ep in episodes)
     # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
@@ -359,8 +409,10 @@ def twin_credit(cfg: Config, run: Run, step: int, episodes, batch, proto) -> tup
     # 4. Twins of the branched decisions: y' at turn t, then the factual keys (same luck).
     pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(cfg.twins_per_decision)]
     requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j) for n, j in pairs]
+    branching = {id(ep) for ep, _, _ in requests}  # memory: the other caches die before any twin runs
+    rollout.release_caches([ep for ep in episodes if id(ep) not in branching])
     twins = rollout.run_twins(policy, run.tok, run.retriever, requests, proto, cfg.coupling,
-                              cfg.same_evidence_shortcut, run.method.independent_twins)
+                              cfg.same_evidence_shortcut, run.method.independent_twins, cfg.twin_chunk, release=True)
 
     # 5. Horvitz-Thompson credit A_hat_t = 1[branched] mean_j D_t^j / q_t; the predictor learns from the whole
     #    batch's twins (same model on every rank); sigma_hat: the RMS of A_hat.
@@ -440,9 +492,10 @@ def weights_spread(accel, model) -> float:
 
 
 def setup(cfg: Config) -> Run:
-    """Accelerator, policy (fp32 master weights), frozen reference, optimizer, retriever, data."""
+    """Accelerator, policy (fp32 master weights; bf16 under DeepSpeed, which keeps its own fp32 master partition),
+    frozen reference, optimizer, retriever, data."""
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.prompts_per_step % world:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must divide over {world} processes")
@@ -454,9 +507,19 @@ def setup(cfg: Config) -> Run:
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", gradient_accumulation_steps=n_micro,
                         cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
     torch.manual_seed(cfg.seed)
-    policy, tok = qa_eval.load_policy(cfg.model, accel.device, torch.float32)
-    ref, _ = qa_eval.load_policy(cfg.model, accel.device, torch.bfloat16 if cfg.bf16 else torch.float32)
+    half = torch.bfloat16 if cfg.bf16 else torch.float32
+    deepspeed = accel.distributed_type == DistributedType.DEEPSPEED
+    if deepspeed:  # no dataloader tells DeepSpeed its micro-batch: the preset's, whatever the shared JSON says
+        accel.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+    policy, tok = qa_eval.load_policy(cfg.model, accel.device, half if deepspeed else torch.float32)
+    ref, _ = qa_eval.load_policy(cfg.model, "cpu" if cfg.ref_offload else accel.device, half)
     ref.requires_grad_(False)
+    if cfg.ref_offload and accel.device.type == "cuda":  # a pinned host copy is read asynchronously, if the system
+        try:                                              # lets 8 ranks pin it; else it is read from pageable memory
+            for p in ref.parameters():
+                p.data = p.data.pin_memory()
+        except RuntimeError as e:
+            print(f"ref_offload: the reference stays in pageable host memory ({e})", file=sys.stderr)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -470,6 +533,9 @@ def setup(cfg: Config) -> Run:
 
 def main(cfg: Config):
     """One run, holding its out_dir from start to end (checkpoint.run_folder: one run per folder at a time)."""
+    # set before the first CUDA allocation: blocks of every size share growable segments, so the caches that
+    # grow and shrink every step leave no fragments (DESIGN.md section 10); the Makefile's launch lines set it too
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with checkpoint.run_folder(cfg, int(os.environ.get("RANK", "0")) == 0):
         return train(cfg)
 

@@ -90,14 +90,15 @@ def test_retriever_down_stops_the_server_of_a_runs_folder_with_a_space(tmp_path)
 
 
 def test_two_node_commands_fill_the_placeholders(tmp_path):
-    """make train-2nodes on node 1: configs/accelerate_2nodes.yaml's machine rank, main address and port come from
-    the variables, both nodes query the retriever on node 0, and the run folder arrives whole."""
+    """make train-2nodes on node 1: ZeRO-2's config (both sizes: DDP does not fit, memory.json) widened to two
+    machines, its machine rank, main address and port from the variables, both nodes query the retriever on node 0,
+    and the run folder arrives whole."""
     out = str(tmp_path / "shared runs/two nodes")
     w = words(make("train-2nodes", "SIZE=3b", "NODE_RANK=1", "MAIN_IP=10.1.2.3", "MAIN_PORT=29600", f"OUT={out}",
                    "ARGS=--steps=3"))
     assert [after(w, flag, "launch") for flag in ("--config_file", "--num_machines", "--machine_rank",
                                                   "--main_process_ip", "--main_process_port")] == [
-        "configs/accelerate_2nodes.yaml", "2", "1", "10.1.2.3", "29600"]
+        "configs/accelerate_zero2.yaml", "2", "1", "10.1.2.3", "29600"]
     assert {f"--out_dir={out}", "--retriever_url=http://10.1.2.3:8000/retrieve", "--steps=3"} <= set(w)
     assert f"{out}/step_??????" in w  # continues from its last checkpoint
     assert after(words(make("retriever-up", "RHOST=10.1.2.3")), "--host", "server.py") == "10.1.2.3"

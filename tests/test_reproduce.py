@@ -346,7 +346,7 @@ def test_accelerate_configs_and_gpu_requirements():
     assert "-r requirements.txt" in req and any(line.startswith("deepspeed==0.") for line in req)
 
 
-@pytest.mark.parametrize("size, accel", [("3b", "accelerate_ddp.yaml"), ("7b", "accelerate_zero2.yaml")])
+@pytest.mark.parametrize("size, accel", [("3b", "accelerate_zero2.yaml"), ("7b", "accelerate_zero2.yaml")])
 def test_make_reproduce_dry_run_prints_every_step_and_runs_nothing(tmp_path, size, accel):
     sr1, runs = str(tmp_path / "sr1"), str(tmp_path / "runs")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
@@ -368,7 +368,7 @@ def test_make_reproduce_dry_run_prints_every_step_and_runs_nothing(tmp_path, siz
     for k in range(1, 8):
         assert f"== step {k}/7" in text
     assert "GPU-h" in text and "3 x ~" in text and "GB" in text  # time and disk estimates
-    assert ("pip install -r requirements-gpu.txt" in text) == (size == "7b")  # DeepSpeed only for ZeRO-2
+    assert "pip install -r requirements-gpu.txt" in text  # DeepSpeed: both presets run ZeRO-2 (memory.json)
     assert not os.path.exists(sr1) and not os.path.exists(runs)  # nothing ran
 
 

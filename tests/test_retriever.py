@@ -525,3 +525,24 @@ def test_an_index_file_on_read_only_storage_gets_its_folder_in_the_cache(world, 
             R.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm")
     finally:
         shelf.chmod(0o755)
+
+
+def test_a_float16_index_answers_as_the_float32_index(world, fresh, monkeypatch):
+    """DEVIATION S17: float16 candidates, certified or searched again with more, give the float32 index's answers to
+    the bit; with no candidate margin and a bound 1000 times too wide every query is searched again, same answers."""
+    half = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0, index_fp16=True)
+    queries = queries_of_mixed_lengths(world.rows)
+    assert half.error > 0 and bits(half.search(queries, topk=3)) == bits(fresh.search(queries, topk=3))
+
+    class Counting:
+        def __init__(self, index):
+            self.index, self.calls = index, 0
+
+        def search(self, vecs, k):
+            self.calls += 1
+            return self.index.search(vecs, k)
+    monkeypatch.setattr(R, "CANDIDATE_MARGIN", 0)
+    half.error, half.index = half.error * 1000, Counting(half.index)
+    assert bits(half.search(queries, topk=3)) == bits(fresh.search(queries, topk=3))
+    assert half.index.calls > len(queries)  # the batch's search, then searches again
+    half.close()

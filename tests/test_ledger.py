@@ -1,0 +1,190 @@
+"""Tests for the memory ledger (ledger.py, memprobe.py, memtrack.py, gpucheck.py) and the memory fixes it led to
+(DESIGN.md section 10): the tracker counts storages exactly; a small probe measures a wider model exactly; the ledger
+predicts a measured run within 10% per phase (the first-GPU check at its tiny size); the README's table is
+memory.json's and both presets fit 80 GiB with 10% headroom; KV caches are freed when the twins are done, sampled
+in the rollout dtype, and the twins' chunks change no twin."""
+import json
+import os
+
+import pytest
+import torch
+from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_model, word_tok  # noqa: F401
+
+import engine
+import gpucheck
+import ledger
+import memprobe
+import memtrack
+import rollout
+import train_twice as tt
+from protocol import Protocol
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- memtrack: what is counted ---
+def test_tracker_counts_storages_once_with_the_allocators_rounding():
+    tracker = memtrack.Tracker(lambda t: "a" if t.dtype == torch.float32 else "b")
+    with tracker:
+        x = torch.zeros(100)            # 400 bytes -> one 512-byte block
+        view = x[10:20].view(2, 5)      # a view: no new storage
+        y = torch.zeros(200, dtype=torch.float64)  # 1600 -> 2048
+        assert (tracker.total, tracker.bytes["a"], tracker.bytes["b"], tracker.raw["b"]) == (2560, 512, 2048, 1600)
+        assert tracker.count["a"] == 1
+        del x
+        assert tracker.total == 2560    # the view keeps the storage alive
+        del view
+        assert tracker.total == 2048
+        y.untyped_storage().resize_(4000)  # not an op: the tracker patches resize_
+        assert tracker.raw["b"] == 4000 and tracker.bytes["b"] == 4096
+        del y
+        assert tracker.total == 0
+    exact = memtrack.Tracker(block=1)
+    with exact:
+        z = torch.ones(3, 7)
+        assert exact.total == 84
+        del z
+
+
+def test_tracker_phases_scale_tags_and_holds():
+    tracker = memtrack.Tracker(lambda t: "kv" if t.dim() == 2 else "other", scale={"kv": 10.0}, block=1)
+    with tracker:
+        with tracker.phase("p"):
+            a = torch.zeros(4, 4)         # kv: 64 exact bytes, counted 640
+            b = torch.zeros(8)            # other: 32
+            with tracker.hold("virtual", 1000):
+                pass                       # 640 + 32 + 1000 at the peak
+            del b
+        assert tracker.peaks["p"]["total"] == 1672 and tracker.peaks["p"]["bytes"]["virtual"] == 1000
+        tracker.tag([a], "other")          # re-tagged: counted as it is now
+        assert tracker.total == 64
+        with tracker.phase("q"):           # a phase without allocations peaks at what was live
+            pass
+        assert tracker.peaks["q"]["total"] == 64
+
+
+# --- memprobe: a small model measures a wide one ---
+def test_a_probe_measures_a_wider_model_exactly():
+    """The same scripted step with a narrow and a wide model of the same layers: KV entries, batch caches and step
+    tensors of the wide one at each phase's peak equal the narrow one's scaled by memprobe.probe_scale."""
+    cfg = memprobe.step_config(os.path.join(ROOT, "configs/qwen2.5-3b.cfg"), gpucheck.TINY_FLAGS)
+    wide = dict(gpucheck.TINY)
+    narrow = memprobe.probe_dims(wide)
+    script = memprobe.SCRIPTS["search-r1"]
+    keep = {f"{o}/{k}": float(o in ("kv_entries", "decode_batch", "other")) for o in
+            ("kv_entries", "decode_batch", "other", "activations", "weights", "reference", "gradients", "optimizer")
+            for k in ("kv", "hidden", "other")}
+    measured = memprobe.run_steps(cfg, wide, torch.float32, script, scale=keep, attention="probe")
+    scale = {k: v * keep[k] for k, v in memprobe.probe_scale(narrow, torch.float32, wide, torch.float32).items()}
+    probed = memprobe.run_steps(cfg, narrow, torch.float32, script, scale=scale, attention="probe")
+    assert measured["metrics"]["factual_tokens"] == probed["metrics"]["factual_tokens"] > 500
+    assert measured["metrics"]["twins"] == probed["metrics"]["twins"] > 0
+    for phase in ("rollout", "twins"):
+        a, b = measured["peaks"][phase]["bytes"], probed["peaks"][phase]["bytes"]
+        for owner in ("kv_entries", "decode_batch"):
+            got = sum(v for k, v in a.items() if k.startswith(owner))
+            assert got > 0 and abs(got - sum(v for k, v in b.items() if k.startswith(owner))) < 1e-6 * got, phase
+
+
+def test_scripted_turns_have_the_scripts_lengths():
+    tok, script = memprobe.script_tokenizer(), memprobe.SCRIPTS["search-r1"]
+    rows = memprobe.script_rows(tok, script, 3)
+    prompt = memprobe._ids(tok, rollout.render_prompt(tok, rows[0]["question"]))
+    assert len(prompt) == script.prompt
+    docs = memprobe.ScriptedRetriever(tok, script).search(["a", "b"], topk=3)
+    assert docs[0][0]["id"] != docs[1][0]["id"]  # another query, other documents (no same-evidence shortcut)
+
+
+# --- the ledger against a measured run, and the first-GPU check's tiny size ---
+def test_gpu_check_tiny_matches_the_ledger_within_10_percent(tmp_path):
+    out = gpucheck.main(["--tiny", "--out", str(tmp_path / "check.json")])
+    saved = json.load(open(tmp_path / "check.json"))
+    assert saved["phases"].keys() == set(ledger.PHASES) and "error" not in saved
+    for phase, row in saved["phases"].items():
+        assert row["measured_gib"] > 0 and 0.9 <= row["ratio"] <= 1.1, (phase, row)
+    assert out["tokens_per_s"] > 0 and out["update_s"] > 0 and out["step"]["twins"] > 0
+
+
+def test_the_decode_fit_holds_on_another_shape():
+    cfg, dims = gpucheck.check_config(8, 32, True)
+    virtual = ledger.rollout_activations(dims, torch.float32, cfg)
+    for rows, width in ((3, 900), (4, 3000)):
+        fake = ledger.decode_activations(dims, torch.float32, cfg, rows, width)
+        assert abs(virtual("decode", rows, 1, width) - fake) <= 0.1 * fake
+
+
+def test_zero2_layout_by_hand():
+    ds = {"zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 100}}
+    adam = {"state": 8 * 250, "peak": 12 * 250}  # AdamW's two moments and its sqrt temporary, on 250 parameters
+    got = ledger.zero2_static(1000, 300, 4, adam, ds)
+    assert got["rollout"] == {"weights": 2000, "optimizer": 4 * 250 + 2000, "gradients": 0}
+    assert got["update"]["gradients"] == 2 * 2 * (250 + 300) + 2 * 100 * 2 + 2 * 300  # sums, buckets, one in flight
+    assert got["optimizer_step"]["gradients"] == max((2 + 2 + 4) * 250, 4 * 250 + 4 * 250)  # then AdamW's sqrt
+
+
+# --- the README's table and the presets' fit ---
+def test_readme_memory_table_is_memory_json_and_both_presets_fit():
+    saved = json.load(open(os.path.join(ROOT, "memory.json")))
+    assert ledger.readme_table() == ledger.table(saved)
+    for size, path in ledger.PRESETS.items():
+        led = saved[size]
+        assert led["headroom"] >= 0.10 and led["peak_gib"] <= 0.9 * led["gpu_gib"] == 72, (size, led["peak_gib"])
+        cfg = memprobe.step_config(os.path.join(ROOT, path))
+        assert led["config"] == ledger.config_of(cfg), f"{path} changed since memory.json: run python ledger.py --write"
+        assert set(led["phases"]) == set(ledger.PHASES)
+
+
+@pytest.mark.slow
+def test_memory_json_is_what_the_code_produces(tmp_path):
+    saved = json.load(open(os.path.join(ROOT, "memory.json")))
+    for size, path in ledger.PRESETS.items():
+        now = ledger.preset_ledger(os.path.join(ROOT, path))
+        for phase in ledger.PHASES:
+            a, b = saved[size]["phases"][phase]["total_gib"], now["phases"][phase]["total_gib"]
+            assert abs(a - b) <= 0.02 * a, (size, phase, a, b)
+
+
+# --- the fixes: caches freed, sampled in the rollout dtype, twins in chunks ---
+def test_twins_in_chunks_are_the_same_twins_and_release_every_cache(word_tok, word_model):  # noqa: F811
+    proto = Protocol(max_turns=2, max_new_tokens=12, gen_batch_size=8)
+    runs = []
+    for chunk, release in ((0, False), (3, True)):
+        eps = rollout.run_episodes(word_model, word_tok, FakeRetriever(), rollout.start_episodes(
+            word_tok, questions(4), 3, 1, 2), proto)
+        assert all(getattr(ep, "_kv", None) is not None for ep in eps)
+        requests = [(ep, t, 0) for ep in eps for t in range(len(ep.turns))]
+        twins = rollout.run_twins(word_model, word_tok, FakeRetriever(), requests, proto, chunk=chunk,
+                                  release=release)
+        runs.append([(r.request, r.kind, r.twin.ids, r.outcome) for r in twins])
+        if release:
+            assert all(getattr(x, "_kv", None) is None for x in eps + [r.twin for r in twins])
+    assert runs[0] == runs[1] and len(runs[0]) >= 4
+
+
+def test_sampling_copy_is_bf16_tied_and_the_policy_itself_when_it_already_is():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.forward = lambda *a, **k: None  # an instance attribute, as accelerate's autocast wrapper is
+    copy = tt.sampling_copy(model, torch.bfloat16)
+    assert copy is not model and all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight  # tied weights stay tied
+    assert "forward" not in copy.__dict__ and all(p.dtype == torch.float32 for p in model.parameters())
+    assert tt.sampling_copy(model, None) is model and tt.sampling_copy(copy, torch.bfloat16) is copy
+
+
+def test_stacked_values_keep_their_own_dtype():
+    keys, values = torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4, dtype=torch.bfloat16)
+    entry = engine.KVEntry([1, 2, 3], [(keys, values)], None)
+    (ks, vs), = engine._stack_rows([(entry, 3), (entry, 2)], 5)
+    assert ks.dtype == torch.float32 and vs.dtype == torch.bfloat16 and vs.shape == (2, 2, 5, 4)
+    assert vs[1, :, :3].eq(0).all() and vs[1, :, 3:].eq(1).all()
+
+
+def test_on_device_leaves_a_model_already_there_as_it_is():  # the move itself needs a GPU (gpucheck.py)
+    model = tiny_model(20, seed=2)
+    before = [p.data_ptr() for p in model.parameters()]
+    with tt.on_device(model, "cpu") as same:
+        assert same is model and [p.data_ptr() for p in model.parameters()] == before
+    assert [p.data_ptr() for p in model.parameters()] == before
