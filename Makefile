@@ -262,7 +262,7 @@ train-2nodes: install install-gpu
 # the same code on the CPU, <= 2 minutes).
 .PHONY: memory gpu-check
 memory: install
-	$(qPY) ledger.py --write
+	$(qPY) ledger.py --write --jobs 2
 
 gpu-check: install
 	$(qPY) gpucheck.py --out runs/gpu_check.json $(ARGS)

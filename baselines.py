@@ -49,7 +49,10 @@ class Method:
     def rollout(self, run, step, prompts, proto) -> list:
         policy = self.policy(run)
         episodes = rollout.start_episodes(run.tok, prompts, self.cfg.seed, step, self.cfg.group_size)
-        return rollout.run_episodes(policy, run.tok, run.retriever, episodes, proto)
+        # GPU memory: an episode nothing branches from (GRPO's) drops its KV cache when it ends; keep_caches=False
+        # drops every one (twins and continuations then prefill their context again)
+        release = getattr(self.cfg, "method", "") == "grpo" or not getattr(self.cfg, "keep_caches", True)
+        return rollout.run_episodes(policy, run.tok, run.retriever, episodes, proto, release=release)
 
     def trajectory_advantages(self, episodes) -> np.ndarray:
         """A_traj_i = (U_i - mean_group) / (std_group + eps), groups of group_size consecutive episodes."""

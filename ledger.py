@@ -341,8 +341,8 @@ def activations(dims, dtype, cfg, shapes, autocast=False) -> dict:
 
 
 MEMORY_FIELDS = ("prompts_per_step", "group_size", "max_turns", "max_new_tokens", "max_obs_tokens", "max_context",
-                 "gen_batch_size", "method", "twin_budget", "twins_per_decision", "twin_chunk", "mini_batches",
-                 "micro_batch_size", "entropy_coef", "bf16", "gradient_checkpointing", "ref_offload")
+                 "gen_batch_size", "method", "twin_budget", "twins_per_decision", "twin_chunk", "keep_caches",
+                 "mini_batches", "micro_batch_size", "entropy_coef", "bf16", "gradient_checkpointing", "ref_offload")
 
 
 def config_of(cfg) -> dict:
@@ -409,10 +409,12 @@ TABLE_END = "<!-- end of memory ledger -->"
 
 def preset_ledger(path: str, script="search-r1", threads=1) -> dict:
     """The ledger of a preset file at its real shapes: one of 8 ranks, ZeRO-2."""
-    cfg = memprobe.step_config(path)
-    size = "7b" if "7B" in cfg.model else "3b"
-    return {"preset": os.path.relpath(os.path.abspath(path), ROOT), "model": cfg.model,
-            **build(cfg, QWEN[size], "zero2", 8, script, threads=threads)}
+    model = tt.parse_config([path]).model
+    size = "7b" if "7B" in model else "3b" if "3B" in model else None
+    if size is None:
+        raise ValueError(f"{path}: model = {model!r}, not Qwen2.5-3B or -7B (the shapes QWEN knows)")
+    return {"preset": os.path.relpath(os.path.abspath(path), ROOT), "model": model,
+            **build(memprobe.step_config(path), QWEN[size], "zero2", 8, script, threads=threads)}
 
 
 def table(ledgers: dict) -> str:
@@ -469,6 +471,7 @@ def main(argv=None):
     parser.add_argument("--script", default="search-r1", choices=sorted(memprobe.SCRIPTS), help="turn statistics")
     parser.add_argument("--write", action="store_true", help="write memory.json and README's table (both presets)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the probe runs")
+    parser.add_argument("--jobs", type=int, default=1, help="presets computed at once (processes)")
     parser.add_argument("--zero2-measure", action="store_true", help="DeepSpeed ZeRO-2 on CPU ranks against the "
                         "ledger's layout (DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 ledger.py --zero2-measure)")
     args = parser.parse_args(argv)
@@ -481,9 +484,15 @@ def main(argv=None):
     for p in paths:
         if not os.path.isfile(p):
             parser.error(f"{p}: no such preset file")
+    jobs = [(p, args.script, args.threads) for p in paths]
+    if args.jobs > 1:
+        import multiprocessing
+        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
+            results = pool.starmap(preset_ledger, jobs)
+    else:
+        results = [preset_ledger(*job) for job in jobs]
     ledgers = {}
-    for p in paths:
-        led = preset_ledger(p, args.script, args.threads)
+    for p, led in zip(paths, results):
         name = next((k for k, v in PRESETS.items() if os.path.abspath(v) == os.path.abspath(p)), p)
         ledgers[name] = led
         print(show(name, led), flush=True)

@@ -85,6 +85,7 @@ class Config:
     top_p: float = 1.0              # nucleus applied before the noise; 1 = off
     top_k: int = 0                  # top-k applied before the noise; 0 = off
     gen_batch_size: int = 64        # rows per generate call
+    keep_caches: bool = True        # episodes keep KV caches for their twins; False: dropped at episode end (memory)
     fused_sampler: bool = False     # torch.compile the keyed sampler (GPU)
     # --- credit (DESIGN 5, 7) ---
     method: str = "twice"           # twice, or a baseline of methods.py's registry (grpo, vineppo, ...)
