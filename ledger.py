@@ -312,6 +312,7 @@ def rollout_activations(dims, dtype, cfg):
     per row and cached token; the tests check the fit on another shape)."""
     lo, hi, w1, w2 = max(1, cfg.gen_batch_size // 4), cfg.gen_batch_size, 256, max(512, cfg.max_context // 2)
     points = ((lo, w1), (lo, w2), (hi, w1))
+    decode_activations(dims, dtype, cfg, lo, w1)  # a first pass also allocates what the model builds once
     dec = np.linalg.solve([[1, p, p * w] for p, w in points],
                           [decode_activations(dims, dtype, cfg, p, w) for p, w in points])
 

@@ -105,12 +105,14 @@ def test_gpu_check_tiny_matches_the_ledger_within_10_percent(tmp_path):
     assert out["tokens_per_s"] > 0 and out["update_s"] > 0 and out["step"]["twins"] > 0
 
 
-def test_the_decode_fit_holds_on_another_shape():
-    cfg, dims = gpucheck.check_config(8, 32, True)
-    virtual = ledger.rollout_activations(dims, torch.float32, cfg)
-    for rows, width in ((3, 900), (4, 3000)):
-        fake = ledger.decode_activations(dims, torch.float32, cfg, rows, width)
-        assert abs(virtual("decode", rows, 1, width) - fake) <= 0.1 * fake
+def test_the_decode_fit_holds_on_other_shapes():
+    """At the 3B preset's widths and vocabulary (2 layers: a decode step's activations live one layer at a time)."""
+    cfg = memprobe.step_config(os.path.join(ROOT, "configs/qwen2.5-3b.cfg"))
+    dims = {**ledger.QWEN["3b"], "num_hidden_layers": 2}
+    virtual = ledger.rollout_activations(dims, torch.bfloat16, cfg)
+    for rows, width in ((48, 1500), (64, 3500), (5, 700)):
+        fake = ledger.decode_activations(dims, torch.bfloat16, cfg, rows, width)
+        assert fake > 0 and abs(virtual("decode", rows, 1, width) - fake) <= 0.05 * fake, (rows, width)
 
 
 def test_zero2_layout_by_hand():
