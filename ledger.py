@@ -427,7 +427,7 @@ def table(ledgers: dict) -> str:
         cells = []
         for n in names:
             ph = ledgers[n]["phases"][phase]
-            top = sorted(ph["gib"].items(), key=lambda kv: -kv[1])[:3]
+            top = sorted(ph["gib"].items(), key=lambda kv: (-round(kv[1], 6), CATEGORIES.index(kv[0])))[:3]
             cells.append(f"{ph['total_gib']:.1f} ({', '.join(f'{c.replace(chr(95), chr(32))} {v:.1f}' for c, v in top)})")
         lines.append(f"| {phase.replace('_', ' ')} | " + " | ".join(cells) + " |")
     lines.append("| **peak of 80 GiB** | " + " | ".join(
@@ -471,11 +471,15 @@ def main(argv=None):
     parser.add_argument("--json", default="", help="write the ledger(s) here")
     parser.add_argument("--script", default="search-r1", choices=sorted(memprobe.SCRIPTS), help="turn statistics")
     parser.add_argument("--write", action="store_true", help="write memory.json and README's table (both presets)")
+    parser.add_argument("--readme", action="store_true", help="rewrite README's table from memory.json as it is")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the probe runs")
     parser.add_argument("--jobs", type=int, default=1, help="presets computed at once (processes)")
     parser.add_argument("--zero2-measure", action="store_true", help="DeepSpeed ZeRO-2 on CPU ranks against the "
                         "ledger's layout (DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 ledger.py --zero2-measure)")
     args = parser.parse_args(argv)
+    if args.readme:
+        write_readme(json.load(open(os.path.join(ROOT, "memory.json"))))
+        return {}
     if args.zero2_measure:
         got = zero2_measure()
         if torch.distributed.get_rank() == 0:
