@@ -37,7 +37,8 @@ GIB = 2 ** 30
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             tie_word_embeddings=True, max_position_embeddings=8192)  # kv (b, 1, n, 64): every storage 256-byte rows
 TINY_FLAGS = ["--prompts_per_step=3", "--group_size=3", "--gen_batch_size=4", "--micro_batch_size=3",
-              "--mini_batches=1", "--bf16=false", "--gradient_checkpointing=false", "--twin_chunk=4"]
+              "--mini_batches=1", "--bf16=false", "--gradient_checkpointing=false", "--twin_chunk=4",
+              "--max_new_tokens=120", "--max_obs_tokens=200", "--max_context=1536"]
 
 
 class CudaPhases:
