@@ -55,7 +55,8 @@ def save(cfg, run, step: int, last: bool = False) -> str:
         accel.unwrap_model(run.policy).save_pretrained(os.path.join(tmp, "policy"))
         run.tok.save_pretrained(os.path.join(tmp, "policy"))
         state = {"config": dataclasses.asdict(cfg), "step": step, "predictor": run.predictor.state_dict(),
-                 "method": run.method.state_dict(), "tokens": run.tokens,
+                 "token_predictor": run.token_predictor.state_dict(), "method": run.method.state_dict(),
+                 "tokens": run.tokens,
                  "sigma_hat": run.sigma_hat.state_dict(), "run_id": run_id(cfg.out_dir), **_provenance()}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(state, f)
@@ -162,6 +163,8 @@ def load(cfg, run) -> int:
                          f"set --steps >= {state['step']}")
     run.accel.load_state(os.path.join(cfg.resume, "trainer"))
     run.predictor.load_state_dict(state["predictor"])
+    if "token_predictor" in state:  # checkpoints from before token forks have none (nothing learnt yet)
+        run.token_predictor.load_state_dict(state["token_predictor"])
     run.sigma_hat.load_state_dict(state["sigma_hat"])
     run.method.load_state_dict(state["method"])
     run.tokens = int(state["tokens"])
@@ -349,7 +352,7 @@ def start_log(cfg, start: int) -> list:
 def episode_rows(step: int, episodes, twins, n: int, world: int) -> list:
     """n of this rank's episodes, evenly spaced over its batch (different prompts and lines), as replay.py prints
     and checks them: turns, actions, retrieved ids, reward, the response's token ids, and each twin of theirs
-    (rollout.TwinResult: turn, kind, D, the twin's tokens from its branch point)."""
+    (rollout.TwinResult: turn, fork token k or None, kind, D, the twin's tokens from its branch turn)."""
     picked = [episodes[i] for i in sorted(set(np.linspace(0, len(episodes) - 1, n).round().astype(int)))] \
         if episodes and n else []
     rows = []
@@ -358,8 +361,8 @@ def episode_rows(step: int, episodes, twins, n: int, world: int) -> list:
         rows.append({"step": step, "uid": ep.uid, "line": ep.line, "world": world, "question": ep.question,
                      "reward": ep.reward, "answer": ep.answer, "ids": ep.ids,
                      "turns": [{"text": t.text, "action": t.action, "doc_ids": list(t.doc_ids)} for t in ep.turns],
-                     "twins": [{"turn": tw.turn, "j": tw.j, "kind": tw.kind, "diff": tw.diff, "outcome": tw.outcome,
-                                "ids": twin_tokens(ep, tw)} for tw in mine]})
+                     "twins": [{"turn": tw.turn, "k": tw.k, "j": tw.j, "kind": tw.kind, "diff": tw.diff,
+                                "outcome": tw.outcome, "ids": twin_tokens(ep, tw)} for tw in mine]})
     return rows
 
 
@@ -369,7 +372,7 @@ def twins_of(ep, twins) -> list:
 
 
 def twin_tokens(ep, tw) -> list:
-    """A twin's response tokens from its branch point (the start of the turn it changed) on."""
+    """A twin's response tokens from the start of the turn it changed on (a token fork's given tokens included)."""
     return tw.twin.ids[ep.turns[tw.turn].start:]
 
 

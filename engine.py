@@ -1,11 +1,17 @@
 """The generation engine: the next turn of many rows at once, every token a keyed draw (DESIGN.md section 11).
 
 generate_turn(model, tokenizer, episodes, proto) samples one turn per episode. From an episode it reads only its
-context (prompt_ids + ids), the key of its next turn (key_for(len(turns)), sampler.py) and, for the cached engine,
-its KV cache (`_kv`); it returns a Generation per row: the token ids exactly as sampled (no decode/re-encode), their
-log-probs and entropies, and why the turn stopped: right after the first `</search>` or `</answer>` in its decoded
-text (protocol.STOP_STRINGS), at EOS, or at its token budget. The noise keys are (turn key, position in the turn),
-so neither padding, batch composition nor caching changes a token.
+context (prompt_ids + ids), the key of its next turn (key_for(len(turns)), sampler.py), how that turn starts
+(start_for(len(turns)): a TurnStart or None) and, for the cached engine, its KV cache (`_kv`); it returns a
+Generation per row: the token ids exactly as sampled (no decode/re-encode), their log-probs and entropies, and why
+the turn stopped: right after the first `</search>` or `</answer>` in its decoded text (protocol.STOP_STRINGS), at
+EOS, or at its token budget. The noise keys are (turn key, position in the turn), so neither padding, batch
+composition nor caching changes a token.
+
+Row features (DESIGN.md section 11), the same in both paths: a TurnStart gives a row its turn's first tokens (it
+starts at position k), a key of its own for the first token it draws and a token that draw may not take (a token
+fork: rollout.run_twins with twin_unit = token); `proto.line_keys = "text"` keys every draw by the text line it
+is in, restarting positions after each token that holds a newline (sampler.line_key).
 
 Two paths, the same tokens (tested):
   cached (Protocol.engine = "cached", any transformers model): each episode keeps the KV cache of its context
@@ -38,13 +44,14 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from protocol import STOP_STRINGS
-from sampler import KeyedGumbelProcessor, _signed
+from sampler import KeyedGumbelProcessor, _signed, line_key
 
 # bench.py's cost measures, summed over both paths since the last reset: body positions (padding included), of
 # which padding; sampling row-steps; sampled tokens; LM-head-only positions (rows repeating a cache's own tokens)
 COUNTS = {"positions": 0, "padding": 0, "row_steps": 0, "tokens": 0, "head_only": 0}
 
 _GT_TOKENS = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its decoded text contains ">"}
+_NL_TOKENS = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its decoded text contains a newline}
 
 
 @dataclass
@@ -55,6 +62,35 @@ class Generation:
     entropy: list
     stop: str
     key: int
+    given: int = 0          # its first `given` ids were given by a TurnStart, not sampled here
+
+
+@dataclass
+class TurnStart:
+    """How a row starts turn `turn`: its first len(ids) tokens are given (with the log-probs and entropies they were
+    sampled with), so it starts drawing at position len(ids); that first draw uses `key` (None: the turn key) and
+    never takes token `ban` (None: any token); every later draw uses the turn key. A token fork at k is
+    TurnStart(t, y[:k], ..., alt key, y[k]); a continuation after token k is TurnStart(t, y[:k + 1], ...)."""
+    turn: int
+    ids: list
+    logprobs: list
+    entropy: list
+    key: int | None = None
+    ban: int | None = None
+
+
+def _token_flags(cache, tokenizer, char: str):
+    """{token id: whether its decoded text holds `char`}, filled lazily, one per tokenizer."""
+    try:
+        table = cache.setdefault(tokenizer, {})
+    except TypeError:  # tokenizer not weak-referenceable
+        table = {}
+
+    def has(tok: int) -> bool:
+        if tok not in table:  # ids past the tokenizer (padded embedding rows, e.g. Qwen2.5) have no text
+            table[tok] = tok < len(tokenizer) and char in tokenizer.decode([tok], skip_special_tokens=False)
+        return table[tok]
+    return has
 
 
 class TurnStopper(StoppingCriteria):
@@ -66,24 +102,17 @@ class TurnStopper(StoppingCriteria):
     split across tokens are found exactly where the decoded text first contains them.
     """
 
-    def __init__(self, tokenizer, start_len: int, budgets, eos_ids, processor=None):
+    def __init__(self, tokenizer, start_len: int, budgets, eos_ids, processor=None, heads=None):
         self.tokenizer, self.start_len, self.budgets, self.processor = tokenizer, start_len, list(budgets), processor
+        self.heads = list(heads) if heads is not None else [0] * len(budgets)  # given turn tokens before start_len
         self.eos_token_id = list(eos_ids)  # generate pads finished rows when a criterion has this attribute
         self.length, self.reason = [None] * len(budgets), [None] * len(budgets)
         self.live = list(range(len(budgets)))
         self.done = None
-        try:
-            self.gt = _GT_TOKENS.setdefault(tokenizer, {})
-        except TypeError:  # tokenizer not weak-referenceable
-            self.gt = {}
+        self._has_gt = _token_flags(_GT_TOKENS, tokenizer, ">")
 
-    def _has_gt(self, tok: int) -> bool:
-        if tok not in self.gt:  # ids past the tokenizer (padded embedding rows, e.g. Qwen2.5) have no text
-            self.gt[tok] = tok < len(self.tokenizer) and ">" in self.tokenizer.decode([tok], skip_special_tokens=False)
-        return self.gt[tok]
-
-    def _stops(self, row_ids) -> bool:
-        text = self.tokenizer.decode(row_ids[self.start_len:].tolist(), skip_special_tokens=False)
+    def _stops(self, row_ids, b: int = 0) -> bool:
+        text = self.tokenizer.decode(row_ids[self.start_len - self.heads[b]:].tolist(), skip_special_tokens=False)
         return any(s in text for s in STOP_STRINGS)
 
     def __call__(self, input_ids, scores, **kwargs):
@@ -91,11 +120,11 @@ class TurnStopper(StoppingCriteria):
         last = input_ids[:, -1].tolist()
         ended = []
         for b in self.live:
-            if self._has_gt(last[b]) and self._stops(input_ids[b]):
+            if self._has_gt(last[b]) and self._stops(input_ids[b], b):
                 self.reason[b] = "stop"
             elif last[b] in self.eos_token_id:
                 self.reason[b] = "eos"
-            elif n >= self.budgets[b]:
+            elif n + self.heads[b] >= self.budgets[b]:
                 self.reason[b] = "length"
             else:
                 continue
@@ -133,21 +162,23 @@ def _plain_generation_config(model):
         model.generation_config = saved
 
 
-def _generate_chunk(model, tokenizer, contexts, keys, budgets, proto) -> list:
+def _generate_chunk(model, tokenizer, rows, proto) -> list:
     """One left-padded generate call -> a Generation per row, its ids exactly as sampled."""
     eos, pad = _special_ids(model, tokenizer)
-    n, width = len(contexts), max(map(len, contexts))
+    n, width = len(rows), max(len(r.ctx) for r in rows)
     input_ids = torch.full((n, width), pad, dtype=torch.long)  # (B, L)
     attention = torch.zeros((n, width), dtype=torch.long)
-    for b, ctx in enumerate(contexts):
-        input_ids[b, width - len(ctx):] = torch.tensor(ctx, dtype=torch.long)
-        attention[b, width - len(ctx):] = 1
+    for b, r in enumerate(rows):
+        input_ids[b, width - len(r.ctx):] = torch.tensor(r.ctx, dtype=torch.long)
+        attention[b, width - len(r.ctx):] = 1
     device = model.device
-    proc = KeyedGumbelProcessor(torch.tensor([_signed(k) for k in keys], device=device), width, proto.temperature,
+    proc = KeyedGumbelProcessor(torch.tensor([_signed(r.key) for r in rows], device=device), width, proto.temperature,
                                 proto.top_k, proto.top_p, proto.fused_sampler)
-    stopper = TurnStopper(tokenizer, width, budgets, eos, proc)
-    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max(budgets), eos_token_id=eos or None,
-                              pad_token_id=pad, use_cache=True)
+    if any(r.start is not None for r in rows) or proto.line_keys == "text":
+        proc.keyer = _keyer(rows, tokenizer, proto, device)
+    stopper = TurnStopper(tokenizer, width, [r.budget for r in rows], eos, proc, [len(r.head) for r in rows])
+    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max(r.budget - len(r.head) for r in rows),
+                              eos_token_id=eos or None, pad_token_id=pad, use_cache=True)
     with _plain_generation_config(model), torch.no_grad():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                              generation_config=config, logits_processor=LogitsProcessorList([proc]),
@@ -158,11 +189,11 @@ def _generate_chunk(model, tokenizer, contexts, keys, budgets, proto) -> list:
     COUNTS["tokens"] += sum(stopper.length)
     logprobs, entropy = proc.records()
     gens = []
-    for b in range(n):
+    for b, r in enumerate(rows):
         k = stopper.length[b]
         assert k is not None and k <= new.shape[1], f"row {b}: generation ended without a stop reason"
-        gens.append(Generation(new[b, :k].tolist(), logprobs[b, :k].tolist(), entropy[b, :k].tolist(),
-                               stopper.reason[b], keys[b]))
+        gens.append(_generation(r, new[b, :k].tolist(), logprobs[b, :k].tolist(), entropy[b, :k].tolist(),
+                                stopper.reason[b]))
     return gens
 
 
@@ -170,20 +201,101 @@ def generate_turn(model, tokenizer, episodes, proto) -> list:
     """Sample the next turn of every episode (none may be done): the cached engine for a transformers model (below),
     else (proto.engine = "generate", or any object with only `generate`) left-padded generate calls in chunks of
     gen_batch_size, each re-prefilling its whole context."""
+    rows = _rows(episodes, tokenizer, proto)
     if _cached_engine(model, proto):
-        return _generate_cached(model, tokenizer, episodes, proto)
-    order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].prompt_ids) + len(episodes[i].ids))
+        return _generate_cached(model, tokenizer, episodes, rows, proto)
+    order = sorted(range(len(episodes)), key=lambda i: len(rows[i].ctx))
     gens = [None] * len(episodes)
     for c in range(0, len(order), proto.gen_batch_size):
         chunk = order[c:c + proto.gen_batch_size]  # similar lengths together: less padding
-        eps = [episodes[i] for i in chunk]
-        contexts = [ep.prompt_ids + ep.ids for ep in eps]
-        budgets = [min(proto.max_new_tokens, proto.max_context - len(ctx)) for ctx in contexts]
-        assert min(budgets) > 0, "an episode without room for a token should have ended"
-        keys = [ep.key_for(len(ep.turns)) for ep in eps]
-        for i, g in zip(chunk, _generate_chunk(model, tokenizer, contexts, keys, budgets, proto)):
+        for i, g in zip(chunk, _generate_chunk(model, tokenizer, [rows[i] for i in chunk], proto)):
             gens[i] = g
     return gens
+
+
+# --- row features (DESIGN.md section 11): given first tokens, a fork token's own key and ban, text-line keys ---
+@dataclass
+class _Row:
+    """A row of one turn call: its episode's context (the TurnStart's given tokens included), turn key, budget (for
+    the whole turn), how it starts and what it sampled so far; the cached engine's decode-batch bookkeeping."""
+    i: int
+    ctx: list
+    key: int
+    budget: int
+    start: TurnStart | None = None
+    head: list = field(default_factory=list)  # the given tokens (start.ids)
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    entropy: list = field(default_factory=list)
+    newline: object = None  # text-line keys: token id -> its text holds a newline; None: the group reading
+    line: int = 0           # the text line of the next draw, and its position in that line (newline is not None)
+    line_pos: int = 0
+    p: int = 0              # its physical row in the decode batch (_Batch)
+    track: tuple | None = None  # (KVEntry, m): its sequence is the entry's first m tokens (no physical row)
+    q: int = 0              # its row among the tracking logits
+
+
+def _rows(episodes, tokenizer, proto) -> list:
+    """A _Row per episode, in order: context, turn key, budget, TurnStart, text-line state after the given tokens."""
+    newline = _token_flags(_NL_TOKENS, tokenizer, "\n") if proto.line_keys == "text" else None
+    rows = []
+    for i, ep in enumerate(episodes):
+        start = ep.start_for(len(ep.turns))
+        head = list(start.ids) if start is not None else []
+        ctx = ep.prompt_ids + ep.ids
+        r = _Row(i, ctx + head, ep.key_for(len(ep.turns)), min(proto.max_new_tokens, proto.max_context - len(ctx)),
+                 start, head, newline=newline)
+        assert r.budget > len(head), "an episode without room for a token should have ended"
+        for tok in head:
+            _advance_line(r, tok)
+        rows.append(r)
+    return rows
+
+
+def _advance_line(r, tok: int):
+    if r.newline is not None:
+        r.line, r.line_pos = (r.line + 1, 0) if r.newline(tok) else (r.line, r.line_pos + 1)
+
+
+def _noise(r) -> tuple:
+    """(key, position, banned token or -1) of r's next draw: (turn key, position in the turn); with text-line keys
+    (line_key(turn key, line), position in the line); a TurnStart's first draw with its own key and ban."""
+    first = r.start is not None and not r.ids
+    if first and r.start.key is not None:
+        key, pos = r.start.key, len(r.head)
+    elif r.newline is not None:
+        key, pos = line_key(r.key, r.line), r.line_pos
+    else:
+        key, pos = r.key, len(r.head) + len(r.ids)
+    return key, pos, r.start.ban if first and r.start.ban is not None else -1
+
+
+def _noise_tensors(rows, device):
+    """(keys, positions, bans or None) of the rows' next draws, (B,) int64 tensors."""
+    keys, pos, ban = zip(*(_noise(r) for r in rows))
+    bans = torch.tensor(ban, device=device) if max(ban) >= 0 else None
+    return torch.tensor([_signed(k) for k in keys], device=device), torch.tensor(pos, device=device), bans
+
+
+def _keyer(rows, tokenizer, proto, device):
+    """The generate path's KeyedGumbelProcessor.keyer: each row's state advanced by the token it drew last (padding,
+    after a row finished, only moves rows that draw nothing more)."""
+    def keyer(input_ids, n):
+        if n > 0:
+            for r, tok in zip(rows, input_ids[:, -1].tolist()):
+                r.ids.append(tok)
+                _advance_line(r, tok)
+        return _noise_tensors(rows, device)
+    return keyer
+
+
+def _generation(r, ids, logprobs, entropy, stop) -> Generation:
+    """The whole turn: the given tokens (with their records) and the drawn ones."""
+    start = r.start
+    if start is None:
+        return Generation(ids, logprobs, entropy, stop, r.key)
+    return Generation(list(start.ids) + ids, list(start.logprobs) + logprobs, list(start.entropy) + entropy, stop,
+                      r.key, len(start.ids))
 
 
 # --- the cached engine: every context token goes through the model once per episode ---
@@ -340,21 +452,6 @@ def _prefill_bucket(model, bucket, pad):
             ep._kv = entry  # shared, never written: a later turn makes a new entry
 
 
-@dataclass
-class _Row:
-    """A row of the decode batch: its episode's context, key, budget and what it sampled so far."""
-    i: int
-    ctx: list
-    key: int
-    budget: int
-    ids: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    entropy: list = field(default_factory=list)
-    p: int = 0              # its physical row in the decode batch (_Batch)
-    track: tuple | None = None  # (KVEntry, m): its sequence is the entry's first m tokens (no physical row)
-    q: int = 0              # its row among the tracking logits
-
-
 def _pad_left(t, width, dim):
     extra = width - t.shape[dim]
     if extra == 0:
@@ -385,12 +482,12 @@ def _admit(model, batch, parts):
 
 def _row_stop(stopper, row, tok: int):
     """TurnStopper's rule for one row after it sampled tok: a stop string, EOS, or its budget (that order)."""
-    if stopper._has_gt(tok) and any(s in stopper.tokenizer.decode(row.ids, skip_special_tokens=False)
+    if stopper._has_gt(tok) and any(s in stopper.tokenizer.decode(row.head + row.ids, skip_special_tokens=False)
                                     for s in STOP_STRINGS):
         return "stop"
     if tok in stopper.eos_token_id:
         return "eos"
-    return "length" if len(row.ids) >= row.budget else None
+    return "length" if len(row.head) + len(row.ids) >= row.budget else None
 
 
 class _Batch:
@@ -496,20 +593,20 @@ def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
         src = torch.tensor([r.p if r.track is None else n_phys + r.q for r in live], device=dev)
         COUNTS["row_steps"] += len(live)
         COUNTS["tokens"] += len(live)
-        keys = torch.tensor([_signed(r.key) for r in live], device=dev)
-        steps = torch.tensor([len(r.ids) for r in live], device=dev)
+        keys, steps, bans = _noise_tensors(live, dev)
         # DEVIATION P1: the logits come from cached keys/values, not a full re-prefill: equal up to float rounding,
         # so a draw at an exact near-tie (|gap| ~ 1e-6) could differ from the generate path; none did in tests/bench.
-        token, logprob, entropy = proc._draw(logits.index_select(0, src), keys, steps)
+        token, logprob, entropy = proc._draw(logits.index_select(0, src), keys, steps, bans)
         keep, diverged = [], []
         for r, tok, lp, ent in zip(live, token.tolist(), logprob.tolist(), entropy.tolist()):
             r.ids.append(tok)
             r.logprobs.append(lp)
             r.entropy.append(ent)
+            _advance_line(r, tok)
             stop = _row_stop(stopper, r, tok)
             if stop is not None:
                 _finish_row(episodes, batch, r)
-                gens[r.i] = Generation(r.ids, r.logprobs, r.entropy, stop, r.key)
+                gens[r.i] = _generation(r, r.ids, r.logprobs, r.entropy, stop)
             elif r.track is None:
                 keep.append(r)
             else:
@@ -535,15 +632,11 @@ def _finish_row(episodes, batch, r):
     episodes[r.i]._kv = _row_entry(batch.cache, batch.hid, r.p, width - n, width, r.ctx + r.ids[:-1])
 
 
-def _generate_cached(model, tokenizer, episodes, proto) -> list:
+def _generate_cached(model, tokenizer, episodes, rows, proto) -> list:
     """generate_turn with the cached engine (same tokens as _generate_chunk: keyed noise, same stop rule)."""
     eos, pad = _special_ids(model, tokenizer)
-    contexts = [ep.prompt_ids + ep.ids for ep in episodes]
-    order = sorted(range(len(episodes)), key=lambda i: len(contexts[i]))  # similar cache widths decode together
-    rows = [_Row(i, contexts[i], episodes[i].key_for(len(episodes[i].turns)),
-                 min(proto.max_new_tokens, proto.max_context - len(contexts[i]))) for i in order]
-    assert min(r.budget for r in rows) > 0, "an episode without room for a token should have ended"
+    order = sorted(range(len(episodes)), key=lambda i: len(rows[i].ctx))  # similar cache widths decode together
     with torch.no_grad():
-        _prefill(model, episodes, contexts, proto, pad)
-        return _decode(model, tokenizer, episodes, rows, proto, eos)
+        _prefill(model, episodes, [r.ctx for r in rows], proto, pad)
+        return _decode(model, tokenizer, episodes, [rows[i] for i in order], proto, eos)
 

@@ -128,6 +128,9 @@ class Protocol:
     max_query_chars: int = 1024   # a search query is cut to this many characters before retrieval (DEVIATION R2)
     fused_sampler: bool = False   # torch.compile the keyed sampler into one kernel (use on GPU; eager is reference)
     engine: str = "cached"        # "cached": KV reuse + continuous batching; "generate": model.generate per turn
+    line_keys: str = "group"      # reading of "line" in the key tuple: "group" (the sample's line in its group:
+    #                               keys (turn, position)) or "text" (the text line in the turn: keys restart after
+    #                               every newline), DESIGN.md section 5
 
 
 def protocol_from(cfg, greedy: bool = False) -> Protocol:

@@ -46,6 +46,8 @@ ORDER_TAG = 0x6F7264          # "ord": the audit's question order (audit)
 REROLL_TAG = 0x72726F6C       # "rrol": the audit's re-rolled factual episodes F_r (audit)
 GROUP_TAG = 0x67727030        # "grp0": the run seed of the audit's fresh GRPO lines (audit)
 METHOD_TAG = 0x6D657468       # "meth": F_r's own key for what a method samples from it (audit)
+FORK_TAG = 0x666F726B         # "fork": a token fork's draw of k ~ r_t (forks.py) and its re-rolled factual (audit)
+LINE_TAG = 0x6C696E65         # "line": the text-line reading of keys, line_key(turn key, line) for lines >= 1
 
 
 def _fmix64(x: int) -> int:
@@ -80,6 +82,12 @@ def turn_key(ep_key: int, turn: int) -> int:
 def alt_key(ep_key: int, turn: int, j: int) -> int:
     """Key of the j-th alternative decision at `turn`: independent of the factual turn's keys (DESIGN.md 5)."""
     return mix(ep_key, ALT_TAG, turn, j)
+
+
+def line_key(turn_key_: int, line: int) -> int:
+    """Key of text line `line` of a turn under the text-line reading (DESIGN.md section 5, `line_keys = "text"`):
+    line 0 is the turn key itself, so a turn without a newline draws as under the group reading."""
+    return turn_key_ if line == 0 else mix(turn_key_, LINE_TAG, line)
 
 
 def fresh_key(ep_key: int, tag: int, *idx: int) -> int:
@@ -198,6 +206,24 @@ def _mask_top_k_top_p(l, top_k: int, top_p: float):
     return l
 
 
+def _ban_(l, ban):
+    """Set l[b, ban[b]] = -inf where ban[b] >= 0 and another token keeps a finite logit; returns (rows, tokens, old
+    logits) of the bans made, or None."""
+    if ban is None:
+        return None
+    rows = torch.nonzero(ban >= 0).squeeze(1)
+    if rows.numel() == 0:
+        return None
+    tokens = ban.index_select(0, rows)
+    old = l[rows, tokens].clone()
+    l[rows, tokens] = -math.inf
+    alone = ~torch.isfinite(l.index_select(0, rows)).any(-1)  # the banned token held all the mass: no alternative
+    if bool(alone.any()):
+        l[rows[alone], tokens[alone]] = old[alone]
+        rows, tokens, old = rows[~alone], tokens[~alone], old[~alone]
+    return rows, tokens, old
+
+
 class KeyedGumbelProcessor(LogitsProcessor):
     """Keyed Gumbel-max sampling inside `model.generate(do_sample=False)` (DESIGN.md section 4).
 
@@ -207,6 +233,10 @@ class KeyedGumbelProcessor(LogitsProcessor):
     it whatever it would do with ties (and no (B, V) write). T = 0 is greedy (no noise). It records, per row and step,
     the token's log-prob under the sampling distribution and the entropy of that distribution (at T = 0: those of
     softmax(logits)); finished rows (`rows`, set by TurnStopper) are skipped and record nan.
+
+    keyer (optional, set by the engine): keyer(input_ids, n) -> ((B,) keys, (B,) positions, (B,) banned token or
+    -1, or None) of the n-th draw of every row, for rows that start inside a turn or draw a fork token (engine.py's
+    TurnStart) and for the text-line reading of keys; without it row b draws with keys[b] at position n.
     """
 
     def __init__(self, turn_keys, start_len: int, temperature=1.0, top_k=0, top_p=1.0, fused=False):
@@ -215,14 +245,17 @@ class KeyedGumbelProcessor(LogitsProcessor):
         self.temperature, self.top_k, self.top_p, self.fused = temperature, top_k, top_p, fused
         self.rows = None  # (b,) indices of rows still generating; None = all
         self.logprobs, self.entropy = [], []  # one (B,) tensor per step
+        self.keyer = None
         self._buffers = None
 
     def __call__(self, input_ids, scores):  # (B, L), (B, V) float32, a copy owned by generate
         pos = input_ids.shape[1] - self.start_len
-        rows = self.rows
+        keys, ban, rows = self.keys, None, self.rows
+        if self.keyer is not None:
+            keys, pos, ban = self.keyer(input_ids, pos)
+        pick = lambda x: x if rows is None or x is None or not torch.is_tensor(x) else x.index_select(0, rows)  # noqa
         logits = scores if rows is None else scores.index_select(0, rows)  # (b, V)
-        keys = self.keys if rows is None else self.keys.index_select(0, rows)
-        token, logprob, entropy = self._draw(logits, keys, pos)
+        token, logprob, entropy = self._draw(logits, pick(keys), pick(pos), pick(ban))
         if rows is None:
             rows = torch.arange(scores.shape[0], device=scores.device)
             self.logprobs.append(logprob)
@@ -233,19 +266,33 @@ class KeyedGumbelProcessor(LogitsProcessor):
         scores[rows, token] = math.inf
         return scores
 
-    def _draw(self, l, keys, pos):
+    def _draw(self, l, keys, pos, ban=None):
+        """(token, log-prob, entropy) of keyed draws on logits l (b, V), modified in place. ban: (b,) token ids (-1
+        none): row b draws from the sampling law restricted to v != ban[b] (a token fork), and records the log-prob
+        and entropy of the unrestricted law; a row whose banned token holds all the law's mass is not restricted."""
         if self.temperature == 0:  # greedy: argmax of the logits, statistics of softmax(logits)
-            token = l.argmax(-1)
             log_p = torch.log_softmax(l, -1)
+            _ban_(l, ban)
+            token = l.argmax(-1)
             return token, log_p.gather(1, token[:, None]).squeeze(1), -(log_p.exp() * log_p.nan_to_num()).sum(-1)
         if self.temperature != 1:
             l.div_(self.temperature)
         _mask_top_k_top_p(l, self.top_k, self.top_p)
+        full = None
+        if ban is not None and bool((ban >= 0).any()):  # the unrestricted law's statistics, before the ban
+            log_p = torch.log_softmax(l, -1)
+            full = (log_p, -(log_p.exp() * log_p.nan_to_num()).sum(-1), _ban_(l, ban))
         seeds, weyl = _row_seeds(keys, pos), _weyl(l.shape[1], l.device)
         if self.fused:
             race = _COMPILED.setdefault("race", torch.compile(_keyed_race, dynamic=True))
-            return race(l, seeds, weyl)
-        return _keyed_race(l, seeds, weyl, *self._scratch(l))
+            token, logprob, entropy = race(l, seeds, weyl)
+        else:
+            token, logprob, entropy = _keyed_race(l, seeds, weyl, *self._scratch(l))
+        if full is not None:
+            rows = full[2][0]
+            logprob[rows] = full[0][rows].gather(1, token[rows, None]).squeeze(1)
+            entropy[rows] = full[1][rows]
+        return token, logprob, entropy
 
     def _scratch(self, l):
         """(b, V) views of per-call buffers: e, x, tmp, f (allocated once, at the first step's full batch)."""

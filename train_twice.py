@@ -15,7 +15,11 @@ Learning" (arXiv 2610.31544); reference design: DESIGN.md sections 5-6. One step
      (1 - rho) x the variance of an independent counterfactual. Self-twins (y' == y_t) and
      same-evidence searches cost no rollout (D_t = 0).
   5. Horvitz-Thompson:  A_hat_t = 1[branched] mean_j D_t^j / q_t
-  6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega A_hat_t / sigma_hat
+  6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega A_hat_t / sigma_hat,
+     sigma_hat a scale of D itself (twin_scale = d), so omega means the same at every budget.
+  twin_unit = token (forks.py): the twin forks one token k ~ r_t of the turn (y_t[:k] kept, y_k banned,
+  the factual keys after it), p_t and c_t are the fork law's, and token k alone gets
+  omega (1 - pi_k) mean_j D^j / (q_t r_t(k) sigma_hat), unbiased for Q(s_k, y_k) - V(s_k) over sigma_hat.
   7. PPO-clip on token ratios (clip 0.2), token mean over loss-masked tokens, k3 KL to the
      frozen reference.
 omega = 0 is GRPO (no twins); --method=NAME trains a baseline (methods.py registry) through the same loop: its
@@ -50,6 +54,7 @@ import checkpoint
 import config
 import credit
 import eval as qa_eval
+import forks
 import logprobs
 import methods
 import protocol
@@ -93,7 +98,14 @@ class Config:
     coupling: bool = True           # twins replay the factual keys (False: partly coupled ablation)
     budget_rule: str = "sqrt"       # "sqrt" (q ~ sqrt(p / c)) or "uniform" (one q for all)
     same_evidence_shortcut: bool = True  # D = 0, no rollout, when both searches get the same ids
-    scale_decay: float = 0.9        # EMA decay of sigma_hat (RMS of the nonzero A_hat)
+    twin_unit: str = "turn"         # "turn": a twin re-samples y_t whole (the paper); "token": it forks at one token
+    #                                 k ~ r_t of the turn and credits that token (forks.py, DESIGN 5)
+    fork_floor: float = 0.1         # token unit: share of the fork law r_t spread evenly over the turn's tokens
+    twin_scale: str = "d"           # sigma_hat: "d" (RMS of D per decision, Horvitz-Thompson: the same at every
+    #                                 budget) or "rms" (RMS of the nonzero A_hat = D / q: the first form, ~1/q)
+    scale_decay: float = 0.9        # EMA decay of sigma_hat
+    line_keys: str = "group"        # "line" of the key tuple: "group" (the sample's line in its group) or "text" (the
+    #                                 text line inside the turn: keys restart after every newline), DESIGN 5
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
     # --- baselines (DESIGN 7; baselines.py, learned.py): read only by the method they name ---
     vine_k: int = 9                 # vineppo: K Monte Carlo continuations per turn boundary (Kazemnejad et al.: 9)
@@ -165,6 +177,10 @@ class Config:
                 [(k, 0 < getattr(self, k) <= 1, "in (0, 1]") for k in unit] +
                 [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
                  ("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
+                 ("twin_unit", self.twin_unit in ("turn", "token"), "'turn' or 'token'"),
+                 ("fork_floor", 0 < self.fork_floor <= 1, "in (0, 1]"),
+                 ("twin_scale", self.twin_scale in ("d", "rms"), "'d' or 'rms'"),
+                 ("line_keys", self.line_keys in ("group", "text"), "'group' or 'text'"),
                  ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"),
                  ("omega", math.isfinite(self.omega), "finite"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
                  # below 1e-3, softmax(logits / T) is one-hot in float32: log-probs and entropies lose meaning
@@ -195,6 +211,7 @@ class Run:
     opt: object                     # AdamW
     method: baselines.Method        # cfg.method's rollout and advantages (TWICE's: twin_credit)
     predictor: credit.DiscordancePredictor  # p_t of the budget rule
+    token_predictor: credit.DiscordancePredictor  # p_k of the fork law (twin_unit = token)
     sigma_hat: credit.RunningScale  # sigma_hat of the token advantage
     rows: list                      # training questions
     n_micro: int                    # micro-batches per mini-batch (gradient accumulation)
@@ -328,7 +345,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
                "weight_norm": norm, **update}
     if "twins" in stats:
         metrics.update(twin_stats(accel, stats["twins"], stats["n_decisions"], metrics["factual_tokens"]))
-        metrics.update(predictor_acc=stats["predictor_acc"], q_mean=stats["q_mean"], aux_tokens=metrics["twin_tokens"])
+        metrics.update({k: stats[k] for k in ("predictor_auc", "predictor_brier", "q_mean")},
+                       aux_tokens=metrics["twin_tokens"])
     else:
         metrics.update(reduce_stats(accel, stats))
     metrics.update({"time_rollout": times["rollout"] - times["start"],
@@ -339,49 +357,80 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
 
 
 def twin_credit(cfg: Config, run: Run, step: int, episodes, batch, proto) -> tuple:
-    """Steps 2-6 of TWICE: (B, L) token advantages A = A_traj + omega A_hat_t / sigma_hat and the twins' counters."""
+    """Steps 2-6 of TWICE: (B, L) token advantages A = A_traj + omega A_hat / sigma_hat and the twins' counters.
+    twin_unit = token: one fork token per branched turn carries the twin term (forks.py)."""
     accel, policy, G = run.accel, run.accel.unwrap_model(run.policy), cfg.group_size
     rewards = np.array([ep.reward for ep in episodes])
     factual_tokens = sum(ep.n_generated for ep in episodes)
+    token = cfg.twin_unit == "token"
     # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
     a_traj = run.method.trajectory_advantages(episodes)
-    a_hat = [np.zeros(len(ep.turns)) for ep in episodes]  # A_hat per turn: 0 unless branched
 
-    # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; keyed branch draws.
+    # 3. Budget rule: q_t from predicted discordance p_t and cost c_t (token unit: the fork law's, over each turn's
+    #    tokens); keyed branch draws, and (token unit) the fork token k ~ r_t of each branched turn.
     #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the budget).
     group_success = rewards.reshape(-1, G).mean(1).repeat(G)
     decisions = rollout.decision_table(episodes, group_success)
-    budget = credit.solve_budget(run.predictor.predict(decisions.features), decisions.cost,
-                                 cfg.twin_budget * factual_tokens, cfg.q_min, cfg.budget_rule)
-    u = [sampler.branch_uniform(cfg.seed, step, episodes[i].uid, episodes[i].line, t) for i, t in decisions.index]
-    branched = credit.branch_mask(budget.q, np.array(u))
+    if token:
+        table = forks.token_table(episodes, decisions, run.tok)
+        law = forks.fork_law(table, run.token_predictor.predict(table.features), cfg.fork_floor)
+        p, cost, pred, X = law.p, law.cost, run.token_predictor, table.features
+    else:
+        p, cost, pred, X = run.predictor.predict(decisions.features), decisions.cost, run.predictor, decisions.features
+    budget = credit.solve_budget(p, cost, cfg.twin_budget * factual_tokens, cfg.q_min, cfg.budget_rule)
+    keys = [(cfg.seed, step, episodes[i].uid, episodes[i].line, t) for i, t in decisions.index]
+    branched = credit.branch_mask(budget.q, np.array([sampler.branch_uniform(*key) for key in keys]))
+    row = np.arange(len(keys))  # the predictor's row of each decision: itself, or its fork token's
+    if token:
+        for n in np.flatnonzero(branched):
+            lo, hi = table.offsets[n], table.offsets[n + 1]
+            row[n] = lo + forks.draw_fork(law.r[lo:hi], forks.fork_uniform(*keys[n]))
 
-    # 4. Twins of the branched decisions: y' at turn t, then the factual keys (same luck).
+    # 4. Twins of the branched decisions: y' at turn t (or at its fork token), then the factual keys (same luck).
     pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(cfg.twins_per_decision)]
     requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j) for n, j in pairs]
+    ks = [int(row[n] - table.offsets[n]) for n, _ in pairs] if token else None
     twins = rollout.run_twins(policy, run.tok, run.retriever, requests, proto, cfg.coupling,
-                              cfg.same_evidence_shortcut, run.method.independent_twins)
+                              cfg.same_evidence_shortcut, run.method.independent_twins, ks)
 
-    # 5. Horvitz-Thompson credit A_hat_t = 1[branched] mean_j D_t^j / q_t; the predictor learns from the whole
-    #    batch's twins (same model on every rank); sigma_hat: the RMS of A_hat.
+    # 5. Horvitz-Thompson credit A_hat = 1[branched] mean_j D^j / q_t (token unit: x (1 - pi_k) / r_t(k)); the
+    #    predictor learns from the whole batch's twins (same model on every rank), scored first (AUC, Brier).
     diffs = [[] for _ in decisions.index]
     for (n, _), twin in zip(pairs, twins):
         diffs[n].append(twin.diff)
-    a_hat_flat = credit.ht_credit(diffs, branched, budget.q)
-    for (i, t), a in zip(decisions.index, a_hat_flat):
-        a_hat[i][t] = a
-    labels = gather_list(accel, [(decisions.features[n].tolist(), float(twin.diff != 0))
-                                 for (n, _), twin in zip(pairs, twins)])
-    n_features = decisions.features.shape[1]
-    predictor_acc = run.predictor.update(np.array([x for x, _ in labels]).reshape(-1, n_features),
-                                         [y for _, y in labels])
-    run.sigma_hat.update(gather_list(accel, a_hat_flat[branched].tolist()))
+    a_flat = (forks.fork_credit(diffs, branched, budget.q, law.r[row], table.pi[row]) if token else
+              credit.ht_credit(diffs, branched, budget.q))
+    labels = gather_list(accel, [(X[row[n]].tolist(), float(twin.diff != 0)) for (n, _), twin in zip(pairs, twins)])
+    auc, brier = pred.update(np.array([x for x, _ in labels]).reshape(-1, X.shape[1]), [y for _, y in labels])
+    sigma = scale_step(cfg, run, accel, diffs, branched, budget.q, a_flat)
 
-    # 6. Token advantage A = A_traj + omega A_hat_t / sigma_hat on the sampled tokens of turn t.
-    turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, run.sigma_hat.value)
+    # 6. Token advantage A = A_traj + omega A_hat / sigma_hat on the sampled tokens of turn t (token unit: on the
+    #    fork token k alone; the turn's other tokens carry A_traj).
+    a_hat = [np.zeros(len(ep.turns)) for ep in episodes]
+    if not token:
+        for (i, t), a in zip(decisions.index, a_flat):
+            a_hat[i][t] = a
+    turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, sigma)
     adv = credit.spread_over_tokens(turn_adv, rollout.turn_spans(episodes), batch["input_ids"].shape[1])
-    return adv, {"twins": twins, "n_decisions": len(decisions.index), "predictor_acc": predictor_acc,
+    if token:
+        for n in np.flatnonzero(branched):
+            i, t = decisions.index[n]
+            adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start + row[n] - table.offsets[n]] += \
+                cfg.omega * a_flat[n] / sigma
+    return adv, {"twins": twins, "n_decisions": len(decisions.index), "predictor_auc": auc, "predictor_brier": brier,
                  "q_mean": float(budget.q.mean()) if len(decisions.index) else 0.0}
+
+
+def scale_step(cfg: Config, run: Run, accel, diffs, branched, q, a_flat) -> float:
+    """sigma_hat of this batch. twin_scale = d: the value from the batches before (so over this batch's branch draws
+    E[A_hat / sigma_hat] = (Q - V) / sigma_hat at any q), then updated with the batch's Horvitz-Thompson mean of D^2
+    per decision over every rank; rms: updated with the RMS of the batch's nonzero A_hat first (the first form)."""
+    if cfg.twin_scale == "rms":
+        return run.sigma_hat.update(gather_list(accel, a_flat[branched].tolist()))
+    sigma = run.sigma_hat.value
+    total, n = np.sum(gather_list(accel, [(credit.ht_mean_square(diffs, branched, q) * len(q), len(q))]), axis=0)
+    run.sigma_hat.update_d(total / n if n else 0.0)
+    return sigma
 
 
 TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant", "twin_tokens")
@@ -464,8 +513,9 @@ def setup(cfg: Config) -> Run:
     rows = qa_eval.load_qa(cfg.train_data)
     qa_eval.refuse_long_prompts(rows, tok, cfg.max_context, cfg.max_new_tokens, cfg.train_data)  # before any rollout
     return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt,
-               methods.make(cfg), credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay), rows,
-               n_micro, weight_norm(accel, policy))
+               methods.make(cfg), credit.DiscordancePredictor(),
+               credit.DiscordancePredictor(features=forks.TOKEN_FEATURES),
+               credit.RunningScale(cfg.scale_decay, cfg.twin_scale), rows, n_micro, weight_norm(accel, policy))
 
 
 def main(cfg: Config):

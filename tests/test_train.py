@@ -79,7 +79,7 @@ def test_smoke_run_logs_checkpoints_and_plots(tiny_world, tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
     for key in ("reward", "kl", "clip_frac", "entropy", "twins", "self_twins", "shortcuts", "discordance",
-                "twin_token_ratio", "predictor_acc", "time", "eval_em"):
+                "twin_token_ratio", "predictor_auc", "predictor_brier", "time", "eval_em"):
         assert key in rows[0], key
     assert rows[0]["twins"] > 0 and rows[0]["factual_tokens"] > 0
     ckpt = os.path.join(out, "step_000002")
