@@ -214,3 +214,26 @@ def crossfit_tokens(table: TokenTable, first: dict, folds, floor: float) -> tupl
     idx = np.concatenate([i for i, _ in scores])
     y = np.concatenate([y for _, y in scores]).astype(float)
     return p, fork_law(table, p, floor), (credit.auc(p[idx], y), credit.brier(p[idx], y))
+
+
+def audit_rows(model, tok, retr, raw, cfg, proto, batched) -> dict:
+    """The audit's token forks, two passes over every (decision, repeat): the first with the prior fork law (every
+    p_k = 1/2, so r_t ~ (1 - pi_k) with the floor), the second with p_k from a token predictor cross-fitted on the
+    first pass's forks of the other half of the episodes (as the budgeted turn row's discordance is). Its AUC and
+    Brier score are measured on the second pass's forks, which it never saw."""
+    table = token_table(raw["episodes"], audit_decisions(raw), tok)
+    prior = fork_law(table, np.full(len(table.pi), 0.5), cfg.fork_floor)
+    first = fork_rows(model, tok, retr, raw, cfg, proto, prior, table, 1, batched)
+    p, law, held_out = crossfit_tokens(table, first, np.array([i % 2 for i, _ in raw["decisions"]]), cfg.fork_floor)
+    second = fork_rows(model, tok, retr, raw, cfg, proto, law, table, 2, batched)
+    flat, y = table.offsets[:-1, None] + second["k"], (second["d"] != 0).astype(float)
+    return {"table": table, "law": law, "first": first, "second": second, "p": p,
+            "predictor": {"auc": credit.auc(p[flat], y), "brier": credit.brier(p[flat], y),
+                          "auc_first_pass": held_out[0], "brier_first_pass": held_out[1]}}
+
+
+def fork_estimates(rows) -> tuple:
+    """((N, R) turn-level estimates (1 - pi_k) D / r_t(k), (N, R) twin tokens) of a fork pass, with the trainer's
+    same-evidence shortcut (D = 0 and only the forked turn's tokens from k where it fires; audit DEVIATION A2)."""
+    d = np.where(rows["same_evidence"], 0.0, rows["d"])
+    return (1 - rows["pi"]) * d / rows["r"], np.where(rows["same_evidence"], rows["alt_tokens"], rows["tokens"])

@@ -412,7 +412,10 @@ def audit_report(res: dict) -> str:
         f"{fmt(cp['predicted_ratio'])} (DESIGN, equal spreads), {fmt(cp['predicted_ratio_unequal'])} with the measured "
         f"spreads of U ({fmt(cp['sd_u'])}) and U' ({fmt(cp['sd_u_twin'])}); measured {fmt(cp['measured_ratio'])}. "
         f"Twin outcome equals the factual outcome: {fmt(cp['agree_coupled'], '%')} coupled, "
-        f"{fmt(cp['agree_independent'], '%')} independent.",
+        f"{fmt(cp['agree_independent'], '%')} independent. Token agreement after the decision (equal tokens at equal "
+        f"positions of the later turns; keys read with line = {cfg.get('line_keys', 'group')}): "
+        f"{fmt(cp.get('token_agreement_coupled'), '%')} coupled, {fmt(cp.get('token_agreement_independent'), '%')} "
+        "independent.", *audit_fork_notes(res),
         f"- Same-evidence shortcut: fires on {fmt(sc['fire_rate'], '%')} of twins ({sc['decisions_fired']} "
         f"decisions); per-decision bias mean |b| {sc['mean_abs_bias']:.4f} +- {sc['mean_abs_bias_se']:.4f} (SE over "
         f"decisions; noise floor {sc['noise_floor']:.4f}, signed mean {sc['signed_mean_bias']:+.4f}); saves "
@@ -427,6 +430,19 @@ def audit_report(res: dict) -> str:
         "- Correlation differences, paired bootstrap over decisions (SE): " + "; ".join(
             f"{k} {fmt(d, '+.3f')} +- {fmt(se)}" for k, (d, se) in res.get("corr_differences", {}).items()) + ".", "",
         "Targets: " + ", ".join(f"{k} {'MET' if v else 'NOT met'}" for k, v in res["targets"].items()), ""])
+
+
+def audit_fork_notes(res) -> list:
+    """The report's lines on the discordance predictors and the token forks."""
+    pr = res.get("predictors", {})
+    lines = ["- Discordance predictors, scored on twins they never saw: " + "; ".join(
+        f"{unit} AUC {fmt(x['auc'])}, Brier {fmt(x['brier'])}" for unit, x in pr.items()) + "."] if pr else []
+    if "TWICE token" in res["metrics"]:
+        lines.append(f"- Token forks (forks.py): fork floor {res['config']['fork_floor']}; the factual luck re-drawn "
+                     "after the fork token in every repeat; the first pass draws k from the prior law (r ~ 1 - pi, "
+                     "floored), the second from a token predictor cross-fitted on the first pass (other half of the "
+                     "episodes); 'budgeted' applies the sqrt rule to the second pass's fork laws.")
+    return lines
 
 
 def audit_method_notes(res) -> list:

@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "*.py")))
 ORDER = ["config", "retriever", "protocol", "sampler", "engine", "credit", "logprobs", "rollout", "forks", "eval",
-         "baselines", "learned", "methods", "report", "checkpoint", "train_twice", "audit"]
+         "baselines", "learned", "methods", "report", "checkpoint", "train_twice", "audit_methods", "audit"]
 
 
 def imports_of(module: str) -> set:
