@@ -505,6 +505,7 @@ def run_audit(model, tok, retr, rows, cfg) -> tuple:
            "predictors": {"turn": {"auc": credit.auc(side["p"], ests["TWICE"][0] != 0),
                                    "brier": credit.brier(side["p"], ests["TWICE"][0] != 0)},
                           **({"token": raw["forks"]["predictor"]} if raw["forks"] else {})},
+           "fork_token_agreement": raw["forks"]["token_agreement"] if raw["forks"] else None,
            "targets": targets(metrics, vines), "budget_q_mean": float(side["q"].mean()),
            "corr_differences": corr_differences({name: est for name, (est, _) in ests.items()}, a),
            "factual_tokens": side["factual_tokens"], "grpo_group_tokens": side["grpo_group_tokens"],

@@ -229,7 +229,8 @@ def audit_rows(model, tok, retr, raw, cfg, proto, batched) -> dict:
     flat, y = table.offsets[:-1, None] + second["k"], (second["d"] != 0).astype(float)
     return {"table": table, "law": law, "first": first, "second": second, "p": p,
             "predictor": {"auc": credit.auc(p[flat], y), "brier": credit.brier(p[flat], y),
-                          "auc_first_pass": held_out[0], "brier_first_pass": held_out[1]}}
+                          "auc_first_pass": held_out[0], "brier_first_pass": held_out[1]},
+            "token_agreement": [float(x["agree"].sum() / max(x["compared"].sum(), 1)) for x in (first, second)]}
 
 
 def fork_estimates(rows) -> tuple:

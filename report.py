@@ -441,7 +441,9 @@ def audit_fork_notes(res) -> list:
         lines.append(f"- Token forks (forks.py): fork floor {res['config']['fork_floor']}; the factual luck re-drawn "
                      "after the fork token in every repeat; the first pass draws k from the prior law (r ~ 1 - pi, "
                      "floored), the second from a token predictor cross-fitted on the first pass (other half of the "
-                     "episodes); 'budgeted' applies the sqrt rule to the second pass's fork laws.")
+                     "episodes); 'budgeted' applies the sqrt rule to the second pass's fork laws. Token agreement "
+                     "after the fork token (rest of its turn and the later turns): " + ", ".join(
+                         fmt(x, "%") for x in res.get("fork_token_agreement") or []) + " (first, second pass).")
     return lines
 
 
