@@ -138,15 +138,17 @@ def assert_ranks_in_sync(out, steps=2):
     assert len(rows) == steps and all(r["weights_spread"] == 0.0 for r in rows), rows
 
 
-def test_two_cpu_processes_stay_in_sync(tiny_world, tmp_path):
+@pytest.mark.parametrize("unit", ["turn", "token"])
+def test_two_cpu_processes_stay_in_sync(tiny_world, tmp_path, unit):
     """accelerate launch --multi_gpu --num_processes 2 on CPU (gloo): it completes and both ranks hold the same
-    weights after every step."""
+    weights after every step (token forks: the predictor learns from both ranks' forks)."""
     out = str(tmp_path / "ddp")
     cmd, env = cpu_launch(os.path.join(ROOT, "train_twice.py"), out, tiny_world, "--multi_gpu", "--num_processes",
-                          "2", "--num_machines", "1")
+                          "2", "--num_machines", "1", flags=("--steps=2", "--eval_every=0", f"--twin_unit={unit}"))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_ranks_in_sync(out)
+    assert all(r["twins"] > 0 for r in read_metrics(out) if not r.get("final"))
 
 
 def test_two_machines_stay_in_sync(tiny_world, tmp_path):
