@@ -45,7 +45,7 @@ Deviations (README "Deviations"; tagged `# DEVIATION A<n>:` below):
      entities: its warm-start sampled EM was 0.07 in our build, so nearly every A* there is 0).
   A6. The independent counterfactual rolls a self-twin out (the textbook baseline); run_twins(coupling=False) scores
      it D = 0 like a coupled one: that rule is the separate row "independent as trainer".
-  A7-A9: the method rows' (audit_methods.py).
+  A7-A9: the method rows' (audit_methods.py); A10: the token-fork rows' (forks.py).
 
 Launch (CPU; --threads 1 because a second thread made these tiny models ~10x slower on a shared 2-core machine):
   python audit.py --world data/tinyworld --out runs/audit          # `make audit`: N 150, M 64, R 8, K 1,2,4,8
@@ -101,7 +101,7 @@ class Config:
     train_config: str = ""          # trainer preset of the method rows' knobs ('' -> the world's, world_preset)
     learned_steps: int = 30         # spa_rl, agentprm: trainer steps training the estimator first (A7; demo: 30)
     group_size: int = TRAIN.group_size  # G, GRPO group: the factual line + G-1 fresh lines
-    token_forks: bool = False       # also the token-fork rows: TWICE token (prior law), TWICE token, budgeted (forks.py)
+    token_forks: bool = False       # also the token-fork rows (forks.py): prior law, learnt law, budgeted
     fork_floor: float = TRAIN.fork_floor  # token forks: share of the fork law spread evenly over a turn's tokens
     line_keys: str = TRAIN.line_keys  # protocol: "group" or "text" reading of "line" in the keys (DESIGN 5)
     twin_budget: float = TRAIN.twin_budget  # budgeted TWICE: expected twin tokens / factual tokens
@@ -435,7 +435,8 @@ def bootstrap_se(est, a, thr, draws: int = 1000, seed: int = 0) -> dict:
 
 
 PAIRS = (("TWICE", "independent"), ("TWICE", "GRPO"), ("TWICE", "VinePPO K=1"), ("TWICE", "GiGPO"),
-         ("TWICE token", "TWICE"), ("TWICE token", "TWICE token (prior law)"), ("TWICE token budgeted", "TWICE budgeted"))
+         ("TWICE token", "TWICE"), ("TWICE token", "TWICE token (prior law)"),
+         ("TWICE token budgeted", "TWICE budgeted"))
 
 
 def corr_differences(ests: dict, a, draws: int = 1000, seed: int = 0) -> dict:
@@ -464,9 +465,10 @@ def coupling_stats(u, u_coupled, u_indep, coupled=None, independent=None) -> dic
             (su + sc) if su + sc > 0 else math.nan, "measured_ratio": float(vc / vi) if vi > 0 else math.nan,
             "var_coupled": float(vc), "var_independent": float(vi), "sd_u": math.sqrt(su / u.size),
             "agree_coupled": float((u == u_coupled).mean()), "agree_independent": float((u == u_indep).mean()),
-            "sd_u_twin": math.sqrt(sc / u.size), **{f"token_agreement_{k}": float(x["agree"].sum() / x["compared"].sum())
-                                                    for k, x in (("coupled", coupled), ("independent", independent))
-                                                    if x is not None and x["compared"].sum() > 0}}
+            "sd_u_twin": math.sqrt(sc / u.size),
+            **{f"token_agreement_{k}": float(x["agree"].sum() / x["compared"].sum())
+               for k, x in (("coupled", coupled), ("independent", independent))
+               if x is not None and x["compared"].sum() > 0}}
 
 
 def oracle_summary(orc, thr) -> dict:

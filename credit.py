@@ -25,6 +25,9 @@ C1. Groups of size 1 get advantage 0 (verl uses mean 0, std 1 there, i.e. the ra
 C2. solve_budget: decisions with p_t = 0 stay at q_min until every p_t > 0 decision is at q = 1; only then does the
    rest of the budget go to them, evenly. DESIGN.md does not say; this keeps sum q c = budget on the whole range.
 (C3-C5 are the baselines' formulas: baselines.py.)
+C6. sigma_hat (twin_scale = d): sqrt of an EMA of the Horvitz-Thompson mean of D^2 per decision, taken from the
+   batches before the one it scales; a batch without data leaves it. The paper says "a running scale"; its first
+   form here (twin_scale = rms) made the expected twin term proportional to q.
 
 No entry point: train_twice.py and audit.py import these functions. Tests: `python -m pytest -q tests/test_credit.py`.
 """

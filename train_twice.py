@@ -371,7 +371,7 @@ def twin_credit(cfg: Config, run: Run, step: int, episodes, batch, proto) -> tup
     #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the budget).
     group_success = rewards.reshape(-1, G).mean(1).repeat(G)
     decisions = rollout.decision_table(episodes, group_success)
-    if token:
+    if token:  # DEVIATION F1: a fork at one token k ~ r_t of the turn, not the whole turn re-sampled
         table = forks.token_table(episodes, decisions, run.tok)
         law = forks.fork_law(table, run.token_predictor.predict(table.features), cfg.fork_floor)
         p, cost, pred, X = law.p, law.cost, run.token_predictor, table.features
@@ -400,6 +400,7 @@ def twin_credit(cfg: Config, run: Run, step: int, episodes, batch, proto) -> tup
         diffs[n].append(twin.diff)
     a_flat = (forks.fork_credit(diffs, branched, budget.q, law.r[row], table.pi[row]) if token else
               credit.ht_credit(diffs, branched, budget.q))
+    # DEVIATION F2: the token predictor learns from the fork tokens the law drew (no importance weights)
     labels = gather_list(accel, [(X[row[n]].tolist(), float(twin.diff != 0)) for (n, _), twin in zip(pairs, twins)])
     auc, brier = pred.update(np.array([x for x, _ in labels]).reshape(-1, X.shape[1]), [y for _, y in labels])
     sigma = scale_step(cfg, run, accel, diffs, branched, budget.q, a_flat)
@@ -427,6 +428,7 @@ def scale_step(cfg: Config, run: Run, accel, diffs, branched, q, a_flat) -> floa
     per decision over every rank; rms: updated with the RMS of the batch's nonzero A_hat first (the first form)."""
     if cfg.twin_scale == "rms":
         return run.sigma_hat.update(gather_list(accel, a_flat[branched].tolist()))
+    # DEVIATION C6: the paper's "running scale" read as a scale of D per decision, from the batches before this one
     sigma = run.sigma_hat.value
     total, n = np.sum(gather_list(accel, [(credit.ht_mean_square(diffs, branched, q) * len(q), len(q))]), axis=0)
     run.sigma_hat.update_d(total / n if n else 0.0)
