@@ -326,6 +326,7 @@ def bench_retrieval(rows=100_000, queries=200, batch=64, rounds=3, threads=1, en
     import retriever
     torch.set_num_threads(threads)
     out = out or tempfile.mkdtemp(prefix="bench-retrieval-")
+    os.makedirs(out, exist_ok=True)
     corpus = os.path.join(out, "corpus.jsonl")
     asked = synthetic_corpus(corpus, rows, queries)
     t0 = time.perf_counter()
