@@ -1,8 +1,9 @@
 """Search-R1 compatible retrieval server (Search-R1's retrieval_server.py) over retriever.py, and its load bench.
 
 The server knows HTTP, request checks, rounds of queries and their threads; it knows nothing of encoders, FAISS or
-the corpus: every search is `DenseRetriever.search_batch` from retriever.py, so an answer over HTTP equals an
-in-process search bit for bit (retriever.py, Determinism (1) and (2)). retriever.py never imports this file.
+the corpus: every search is `DenseRetriever.search_batch` from retriever.py (a dense folder, or a BM25 one: bm25.py),
+so an answer over HTTP equals an in-process search bit for bit (retriever.py, Determinism (1) and (2)). retriever.py
+never imports this file.
 
 Contract (DESIGN.md sections 3, 10 and 12; Search-R1 compatible)
 - POST /retrieve {"queries": [str, ...], "topk": k, "return_scores": bool}

@@ -265,3 +265,13 @@ def test_a_folder_on_read_only_storage_loads_and_writes_nothing(world, fresh, tm
     retriever.close()
     monkeypatch.undo()
     assert sorted((d, tuple(sorted(f))) for d, _, f in os.walk(shelf)) == before
+
+
+def test_bench_retrieval_times_both_and_bm25_finds_each_querys_row(tmp_path):
+    """`bench.py retrieval` at a tiny size: both retrievers timed, and BM25 puts the row each query was drawn from
+    (its unique invented title and three of its words) first."""
+    import bench
+    r = bench.bench_retrieval(rows=300, queries=20, batch=8, rounds=1, out=str(tmp_path))
+    assert r["bm25_hit_rate"] == 1.0
+    assert json.load(open(tmp_path / "dense" / "index" / "meta.json"))["n_rows"] == 300
+    assert all(r[f"{name}_ms_alone"] > 0 and r[f"{name}_queries_per_s"] > 0 for name in ("bm25", "dense"))
