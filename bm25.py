@@ -10,8 +10,8 @@ gets BM25 from a BM25 folder unchanged.
 Contract (DESIGN.md section 10)
 - Analyzer (`analyze`), Anserini's DefaultEnglishAnalyzer (Lucene StandardTokenizer, EnglishPossessiveFilter,
   LowerCaseFilter, StopFilter with Lucene's 33 English stopwords, PorterStemFilter), applied to documents and
-  queries alike: words (`TOKEN`), a trailing 's removed, lowercased, stopwords dropped, Porter-stemmed (words of
-  one or two characters are left as they are, as Lucene's PorterStemmer leaves them).
+  queries alike: words (`TOKEN`), a trailing 's removed, lowercased, stopwords dropped, stemmed as Lucene's
+  PorterStemmer does (`_porter`: words of one or two characters are left as they are).
 - Score of query q (terms t_1..t_m, repeats kept) for document d of |d| terms, N documents, avgdl their mean length:
       idf(t) = ln(1 + (N - df(t) + 0.5) / (df(t) + 0.5))
       s(q, d) = sum_i idf(t_i) tf(t_i, d) / (tf(t_i, d) + k1 (1 - b + b |d| / avgdl)),   k1 = 0.9, b = 0.4
@@ -27,8 +27,9 @@ Contract (DESIGN.md section 10)
 
 Deviations from Search-R1's pyserini BM25 (README "Deviations"; tagged `# DEVIATION S<n>:` below)
 S17. The analyzer approximates Lucene's: `TOKEN` stands for the UAX#29 word rules of StandardTokenizer (CJK runs stay
-     one token, no 255-character cut) and Snowball's "porter" for Lucene's PorterStemmer (the published algorithm;
-     Lucene's port of Porter's own code differs on a few rare suffixes).
+     one token, no 255-character cut), and Lucene's PorterStemmer (Porter's reference code) is Snowball's Porter (the
+     published algorithm) with the reference code's two extra rules applied to its stems (`_porter`): the same
+     except where a later suffix hid their ending (a word ending -loginess).
 S18. Document lengths are exact; Lucene stores each in one byte (SmallFloat.intToByte4: exact below 24, then ~3
      significant bits), so scores differ slightly and near-ties may order differently. N and avgdl count rows
      without any term, which Lucene leaves out.
@@ -64,22 +65,44 @@ STOPWORDS = frozenset(bm25s.stopwords.STOPWORDS_EN)  # Lucene's EnglishAnalyzer.
 # (U.S.A, Zorvak's) and across . , ; ' between digits (3.14, 1,000)
 TOKEN = re.compile(r"\w+(?:(?:(?<=[^\W\d_])[.:'\u2019\u00b7](?=[^\W\d_])|(?<=\d)[.,;'\u2019](?=\d))\w+)*")
 POSSESSIVE = re.compile(r"['\u2019\uff07][sS]$")  # Lucene's EnglishPossessiveFilter
-ANALYZER = "anserini-english-v1: words, possessive, lowercase, lucene stopwords, porter (len > 2)"  # in meta.json:
+ANALYZER = "anserini-english-v2: words, possessive, lowercase, lucene stopwords, lucene porter"  # in meta.json:
 #   a folder built with another analyzer is refused (its terms would not match the queries')
 _local = threading.local()  # a PyStemmer Stemmer is not thread safe: one per thread (the server analyzes in many)
 
 
 def _stemmer():
     if not hasattr(_local, "stemmer"):
-        _local.stemmer = Stemmer.Stemmer("porter")  # DEVIATION S17: Snowball's Porter, not Lucene's PorterStemmer
+        _local.stemmer = Stemmer.Stemmer("porter")  # Snowball's: Porter's published algorithm
     return _local.stemmer
+
+
+def _measure(word: str) -> int:
+    """Porter's m: the number of vowel-consonant sequences of [C](VC)^m[V] (y is a vowel after a consonant)."""
+    vowel = []
+    for i, ch in enumerate(word):
+        vowel.append(ch in "aeiou" or (ch == "y" and i > 0 and not vowel[i - 1]))
+    return sum(vowel[i - 1] and not vowel[i] for i in range(1, len(word)))
+
+
+def _porter(word: str, stem: str) -> str:
+    """Lucene's PorterStemmer from Snowball's Porter stem: words of one or two characters stay as they are, and the
+    two step-2 rules of Porter's reference code that Lucene ports (bli -> ble, not only abli -> able; logi -> log),
+    which leave their ending in the published algorithm's stem, are applied to it (DEVIATION S17: exact unless a
+    later suffix hid the ending, as in a word ending -loginess)."""
+    if len(word) <= 2:
+        return word
+    if stem.endswith("logi") and _measure(stem[:-4]) > 0:
+        return stem[:-1]
+    if stem.endswith("bli") and not stem.endswith("abli") and _measure(stem[:-3]) > 0:
+        return _stemmer().stemWord(stem[:-1] + "e")  # "ble" goes on through steps 3 to 5, as in Lucene
+    return stem
 
 
 def analyze(text: str) -> list:
     """A text's terms, in order (Anserini's DefaultEnglishAnalyzer, S17): words, a trailing 's removed, lowercased,
     stopwords dropped, Porter stems of the words longer than two characters."""
     words = [w for w in (POSSESSIVE.sub("", token).lower() for token in TOKEN.findall(text)) if w not in STOPWORDS]
-    return [w if len(w) <= 2 else stem for w, stem in zip(words, _stemmer().stemWords(words))]
+    return [_porter(w, stem) for w, stem in zip(words, _stemmer().stemWords(words))]
 
 
 def build(texts, where: str) -> tuple:

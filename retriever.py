@@ -817,6 +817,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
     args = parser.parse_args(argv)
     check_flags(parser, args, {"batch_size": (1, None, ""), "max_length": (1, None, ""), "topk": (1, None, "")})
+    if getattr(args, "encoder", None) == bm25.ENCODER and (args.command != "build" or args.fp16 or any(
+            getattr(args, f) is not None for f in ("query_prefix", "passage_prefix", "device"))):
+        parser.error("--encoder bm25 goes with `build` only, and takes no prefixes, --device or --fp16")
     return args
 
 

@@ -55,6 +55,11 @@ def test_analyzer_is_anserini_english_lowercase_stopwords_possessive_porter():
     assert bm25.analyze("U.S.A. in 1,000 years: 3.14 e-mail") == ["u.s.a", "1,000", "year", "3.14", "e", "mail"]
     assert bm25.analyze("us is as") == ["us"]  # "is", "as" are stopwords; "us" is too short for the stemmer
     assert bm25.analyze("generalizations ponies caresses") == ["gener", "poni", "caress"]  # Porter's own examples
+    # Lucene's PorterStemmer (Porter's reference code) where Snowball's published algorithm stops at -logi / -bli
+    words = "technology analogies biology logy possibly humbly probably"
+    assert bm25._stemmer().stemWords(words.split()) == ["technologi", "analogi", "biologi", "logi", "possibli",
+                                                        "humbli", "probabl"]
+    assert bm25.analyze(words) == ["technolog", "analog", "biologi", "logi", "possibl", "humbl", "probabl"]
     assert bm25.analyze("") == bm25.analyze("the of and") == []
 
 
@@ -170,6 +175,12 @@ def test_two_builds_write_identical_files(world, tmp_path, capsys):
     R.main(["search", "--index", out, "--topk", "2", NAME0])
     printed = capsys.readouterr().out
     assert f"# query: {NAME0}" in printed and "# ids: doc0 " in printed and "Doc 1(Title: " in printed
+    for flags in (["--query_prefix", "q: "], ["--fp16"], ["--device", "cpu"]):  # nothing a BM25 build would read
+        with pytest.raises(SystemExit):
+            R.main(["build", "--corpus", world.corpus, "--encoder", "bm25", "--out", out, *flags])
+        assert "--encoder bm25 goes with `build` only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        R.main(["describe-prebuilt", "--index_file", out, "--corpus", world.corpus, "--encoder", "bm25", "--out", out])
 
 
 def _damage(index_dir, what):
@@ -191,7 +202,8 @@ def _damage(index_dir, what):
         vocab = json.load(open(os.path.join(folder, "vocab.index.json")))
         json.dump(dict(list(vocab.items())[:-1]), open(os.path.join(folder, "vocab.index.json"), "w"))
     elif what == "indptr short":
-        np.save(os.path.join(folder, "indptr.csc.index.npy"), np.load(os.path.join(folder, "indptr.csc.index.npy"))[:-1])
+        path = os.path.join(folder, "indptr.csc.index.npy")
+        np.save(path, np.load(path)[:-1])
     elif what == "data pickled":
         np.save(os.path.join(folder, "data.csc.index.npy"), np.array([1.0, "x"], dtype=object), allow_pickle=True)
     elif what == "indices float":
@@ -255,8 +267,9 @@ def test_a_folder_on_read_only_storage_loads_and_writes_nothing(world, fresh, tm
     monkeypatch.setattr(builtins, "open", lambda path, mode="r", *a, **k: (
         refuse(path) if isinstance(path, (str, os.PathLike)) and set(mode) & set("wax+") else None,
         real_open(path, mode, *a, **k))[1])
+    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT
     monkeypatch.setattr(os, "open", lambda path, flags, *a, **k: (
-        refuse(path) if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) else None, real_os_open(path, flags, *a, **k))[1])
+        refuse(path) if flags & writes else None, real_os_open(path, flags, *a, **k))[1])
     for name in ("mkdir", "rename", "replace", "remove", "unlink"):
         real = getattr(os, name)
         monkeypatch.setattr(os, name, lambda path, *a, _real=real, **k: (refuse(path), _real(path, *a, **k))[1])
