@@ -516,6 +516,10 @@ def run_audit(model, tok, retr, rows, cfg) -> tuple:
     res["decisions"] = [{"question": raw["chosen"][i]["id"], "episode": i, "turn": t, "outcome": ep.reward,
                          "action": ep.turns[t].action, **{k: float(orc[k][n]) for k in ("a", "se", "q", "v")},
                          "u_reroll": side["u"][n].tolist(), "p_discordance": side["p"][n].tolist(),
+                         "token_agreement": [float(raw[k][x][n].sum()) for k in ("coupled", "independent")
+                                             for x in ("agree", "compared")] + ([float(raw["forks"][k][x][n].sum())
+                                             for k in ("first", "second") for x in ("agree", "compared")]
+                                             if raw["forks"] else []),
                          "q_branch": side["q"][n].tolist(),
                          "estimates": {name: est[n].tolist() for name, (est, _) in ests.items()}}
                         for n, (i, t) in enumerate(raw["decisions"]) for ep in [raw["episodes"][i]]]

@@ -458,3 +458,5 @@ def test_cli_token_forks_and_text_line_keys(tiny_world, tmp_path):
     assert "| TWICE token |" in md and "Token forks (forks.py)" in md and "Token agreement after the decision" in md
     for d in json.loads((out / "audit.json").read_text())["decisions"]:
         assert all(math.isfinite(x) for n in rows for x in d["estimates"][n])
+        agree = d["token_agreement"]  # per decision: (agree, compared) of coupled, independent, fork passes 1, 2
+        assert len(agree) == 8 and all(0 <= a <= c for a, c in zip(agree[::2], agree[1::2]))
