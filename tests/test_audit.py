@@ -460,3 +460,23 @@ def test_cli_token_forks_and_text_line_keys(tiny_world, tmp_path):
         assert all(math.isfinite(x) for n in rows for x in d["estimates"][n])
         agree = d["token_agreement"]  # per decision: (agree, compared) of coupled, independent, fork passes 1, 2
         assert len(agree) == 8 and all(0 <= a <= c for a, c in zip(agree[::2], agree[1::2]))
+
+
+def test_compare_coupling_by_hand(tmp_path):
+    """report.py coupling: pooled token agreement and the variance ratio per audit with bootstrap SEs, and the paired
+    difference over the decisions two audits share (matched by question and turn)."""
+    def audit_json(name, rows, line_keys):
+        d = tmp_path / name
+        d.mkdir()
+        decisions = [{"question": q, "turn": t, "token_agreement": agree,
+                      "estimates": {"TWICE no shortcut": dc, "independent": di}} for q, t, agree, dc, di in rows]
+        (d / "audit.json").write_text(json.dumps({"config": {"line_keys": line_keys}, "decisions": decisions}))
+        return str(d)
+    a = audit_json("a", [("q1", 0, [3, 4, 1, 4], [1, 0], [1, -1]), ("q2", 1, [1, 6, 0, 6], [0, 0], [1, 0])], "group")
+    b = audit_json("b", [("q2", 1, [5, 6, 0, 6], [0, 0], [1, 0]), ("q3", 0, [0, 2, 0, 2], [1, 1], [0, 1])], "text")
+    rows = report.compare_coupling([a, b], draws=200).splitlines()
+    assert rows[0] == "| audit | line keys | decisions | coupled | independent | var ratio |"
+    # a: coupled (3 + 1) / (4 + 6) = 0.4; independent 1 / 10; var ratio mean(0.5, 0) / mean(2, 0.5) = 0.2
+    assert rows[2].startswith(f"| {a} | group | 2 | 0.400 +- ") and "| 0.100 +- " in rows[2] and "| 0.200 +- " in rows[2]
+    # paired on q2 alone: coupled 5/6 - 1/6; a single shared decision resamples to itself (SE 0)
+    assert rows[4] == f"| {b} - {a} (paired) | | 1 | +0.667 +- 0.000 | +0.000 +- 0.000 | +0.000 +- 0.000 |"
