@@ -128,6 +128,8 @@ class Protocol:
     max_query_chars: int = 1024   # a search query is cut to this many characters before retrieval (DEVIATION R2)
     fused_sampler: bool = False   # torch.compile the keyed sampler into one kernel (use on GPU; eager is reference)
     engine: str = "cached"        # "cached": KV reuse + continuous batching; "generate": model.generate per turn
+    sync_every: int = 16          # cached engine: decode steps between read-backs of the sampled tokens (host syncs)
+    cuda_graphs: bool = False     # cached engine on CUDA: replay the decode step as CUDA graphs (one per shape)
 
 
 def protocol_from(cfg, greedy: bool = False) -> Protocol:
