@@ -77,7 +77,7 @@ def bench_overhead(vocab=32000, hidden=256, layers=4, batch=32, new_tokens=64, p
 def _reset() -> dict:
     """engine.COUNTS, zeroed."""
     import engine
-    engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
+    engine.COUNTS.update({k: 0 for k in engine.COUNTS})
     return engine.COUNTS
 
 
@@ -147,6 +147,139 @@ def realistic_decode(engine: str, n=64, vocab=2048, median=80, cap=250, batch=64
     lengths = sorted(len(g.ids) for g in gens)
     return {"engine": engine, "s": time.perf_counter() - t0, "finished_share": 1 - c["tokens"] / c["row_steps"],
             "median_len": lengths[len(lengths) // 2], "max_len": lengths[-1], "ids": [g.ids for g in gens]}
+
+
+# --- the engine's decode: one turn of many rows at realistic lengths; the old engine runs in its own tree ---
+SHAPES_CPU = {  # the models `bench.py cpu` decodes with (random weights, an EOS bias for realistic turn lengths)
+    "tiny-policy": None,  # the demo policy's own config (WORLD/policy/config.json)
+    "qwen2-12m": dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def eos_biased(config, eos: int, median: float):
+    """A random Qwen2 of `config` (near-uniform logits) whose LM head adds a bias to the EOS logit, so that turn
+    lengths are geometric with the given median."""
+    from transformers import Qwen2ForCausalLM
+    torch.manual_seed(0)
+    config.initializer_range = 0.002
+    model = Qwen2ForCausalLM(config).eval()
+    p_eos = 1 - 0.5 ** (1 / median)
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+    head.weight.data.copy_(model.lm_head.weight.data)
+    head.bias.data.zero_()[eos] = float(torch.log(torch.tensor(p_eos * (config.vocab_size - 1) / (1 - p_eos))))
+    model.lm_head = head
+    return model
+
+
+def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250, max_context=1024) -> dict:
+    """Two generate_turn calls (steps 0 and 1: different keys) of `rows` fresh episodes over `slots` decode rows with
+    the `engine` module this process imports (this tree's; the old tree's in its process, measured by _V1Probe); the
+    figures are the second call's (steady state: caches allocated). Turn lengths: median `median`, cut at `cap`."""
+    import hashlib
+    import engine
+    import eval as qa_eval
+    from protocol import Protocol
+    from rollout import start_episodes
+    from transformers import Qwen2Config
+    torch.set_num_threads(1)
+    _, tok = qa_eval.load_policy(os.path.join(world, "policy"))
+    spec = SHAPES_CPU[shape]
+    config = Qwen2Config.from_pretrained(os.path.join(world, "policy")) if spec is None else Qwen2Config(**spec)
+    model = eos_biased(config, tok.eos_token_id, median)
+    questions = [{"id": f"r{i}", "question": f"question {i}", "golden_answers": ["x"]} for i in range(rows)]
+    proto = Protocol(max_new_tokens=cap, max_context=max_context, gen_batch_size=slots)
+    probe = None if hasattr(engine, "kvcache") else _V1Probe(engine)
+    with torch.no_grad():
+        for step in range(2):
+            counts = _reset()
+            if probe:
+                probe.reset()
+            t0 = time.perf_counter()
+            gens = engine.generate_turn(model, tok, start_episodes(tok, questions, 0, step), proto)
+            took = time.perf_counter() - t0
+    tokens = sum(len(g.ids) for g in gens)
+    out = probe.figures(slots) if probe else {
+        "cache_copies_per_step": 0.0,  # no operation of this engine copies every row (they copy one row each)
+        "host_syncs_per_step": counts["syncs"] / counts["steps"], "slot_occupancy": counts["live_steps"] /
+        counts["slot_steps"], "moved": counts["copied"], "cache_bytes": counts["cache_bytes"], "steps": counts["steps"]}
+    out["copies_rel_cache_per_step"] = out["moved"] / out["cache_bytes"]  # bytes moved / mean live cache, per step
+    out["moved_per_token_rel_cache"] = out["moved"] / tokens / (out["cache_bytes"] / out["steps"])
+    lengths = sorted(len(g.ids) for g in gens)
+    return {"shape": shape, "rows": rows, "slots": slots, "s": took, "tokens": tokens,
+            "ms_per_token": 1e3 * took / tokens, "median_len": lengths[rows // 2], "max_len": lengths[-1],
+            "tokens_sha": hashlib.sha256(json.dumps([g.ids for g in gens]).encode()).hexdigest()[:16], **out}
+
+
+class _V1Probe:
+    """Measures the DynamicCache engine (before the slot cache) from outside: whole-cache copies (the per-step
+    concatenation of every layer's keys/values and hidden states, joins of admitted rows into a live batch,
+    reselections of rows), bytes moved (those and the rows stacked in and copied out), read-backs of sampled tokens
+    to the host per step (`token.tolist()`), and live rows per step over gen_batch_size."""
+
+    def __init__(self, engine):
+        self.e, probe = engine, self
+        batch, proc = engine._Batch, engine.KeyedGumbelProcessor
+        logits, regroup, admit, draw, finish = batch.logits, batch.regroup, engine._admit, proc._draw, \
+            engine._finish_row
+        tolist = torch.Tensor.tolist
+        self.reset()
+
+        def size(b):
+            return 0 if b.cache is None else (sum(2 * layer.keys.numel() for layer in b.cache.layers) + (
+                0 if b.hid is None else b.hid.numel())) * b.cache.layers[0].keys.element_size()
+
+        def logits_(b, model):
+            had = b.cache is not None and b.tok
+            out = logits(b, model)
+            if had:  # DynamicCache.update and the hidden states: torch.cat of everything cached, every step
+                probe.m["whole"] += 1
+                probe.m["moved"] += size(b)
+            probe.m["cache_bytes"] += size(b)
+            return out
+
+        def regroup_(b, live):
+            before = None if b.cache is None else id(b.cache.layers[0].keys)
+            regroup(b, live)
+            if before is not None and b.cache is not None and id(b.cache.layers[0].keys) != before:
+                probe.m["whole"] += 1  # batch_select_indices: every kept row copied
+                probe.m["moved"] += size(b)
+
+        def admit_(model, b, parts):
+            had = b.cache is not None
+            admit(model, b, parts)
+            probe.m["whole"] += had  # the live batch padded and concatenated with the new rows
+            probe.m["moved"] += size(b)
+
+        def draw_(proc_, l, keys, pos):
+            out = draw(proc_, l, keys, pos)
+            probe.m["steps"] += 1
+            probe.m["live"] += l.shape[0]
+            probe.tokens.append(out[0])
+            return out
+
+        def tolist_(t):
+            if any(t is x for x in probe.tokens[-1:]):
+                probe.m["syncs"] += 1
+            return tolist(t)
+
+        def finish_(episodes, b, r):
+            copied = r.track is None  # a tracking row keeps its cache's entry; the others copy theirs out
+            finish(episodes, b, r)
+            entry = episodes[r.i]._kv
+            probe.m["moved"] += copied * (sum(2 * k.numel() * k.element_size() for k, _ in entry.kv) + (
+                0 if entry.hidden is None else entry.hidden.numel() * entry.hidden.element_size()))
+        batch.logits, batch.regroup, engine._admit, proc._draw = logits_, regroup_, admit_, draw_
+        engine._finish_row, torch.Tensor.tolist = finish_, tolist_
+
+    def reset(self):
+        self.m, self.tokens = dict(steps=0, syncs=0, live=0, whole=0, moved=0, cache_bytes=0), []
+
+    def figures(self, slots: int) -> dict:
+        m = self.m
+        return {"cache_copies_per_step": m["whole"] / m["steps"], "host_syncs_per_step": m["syncs"] / m["steps"],
+                "slot_occupancy": m["live"] / (m["steps"] * slots), "moved": m["moved"],
+                "cache_bytes": m["cache_bytes"], "steps": m["steps"]}
 
 
 # --- token_logprobs memory (a fresh process each: ru_maxrss is a high-water mark) ---

@@ -37,19 +37,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 import kvcache
-from protocol import STOP_STRINGS
 from sampler import KeyedGumbelProcessor, _signed, keyed_draw
+from stops import TurnStopper, stop_rule
 
 # bench.py's cost measures, summed over both paths since the last reset: body positions (padding included), of
 # which padding; sampling row-steps; sampled tokens; LM-head-only positions (rows repeating a cache's own tokens)
 COUNTS = {"positions": 0, "padding": 0, "row_steps": 0, "tokens": 0, "head_only": 0,
-          "steps": 0, "slot_steps": 0, "syncs": 0, "copied": 0, "cache_bytes": 0}
-
-_GT_TOKENS = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its decoded text contains ">"}
-
+          "steps": 0, "slot_steps": 0, "live_steps": 0, "syncs": 0, "copied": 0, "cache_bytes": 0}
 
 @dataclass
 class Generation:
@@ -59,60 +56,6 @@ class Generation:
     entropy: list
     stop: str
     key: int
-
-
-class TurnStopper(StoppingCriteria):
-    """Ends a row right after the first `</search>` / `</answer>` in the decoded text of its turn, at EOS, or at its
-    own token budget; keeps TurnStopper.length / .reason per row and tells the processor which rows still run.
-
-    Both stop strings end with ">", so a stop can only complete on a token whose text contains ">" (true for
-    byte-level BPE, sentencepiece byte fallback, word-level): only then is the row's turn decoded, in full, so tags
-    split across tokens are found exactly where the decoded text first contains them.
-    """
-
-    def __init__(self, tokenizer, start_len: int, budgets, eos_ids, processor=None):
-        self.tokenizer, self.start_len, self.budgets, self.processor = tokenizer, start_len, list(budgets), processor
-        self.eos_token_id = list(eos_ids)  # generate pads finished rows when a criterion has this attribute
-        self.length, self.reason = [None] * len(budgets), [None] * len(budgets)
-        self.live = list(range(len(budgets)))
-        self.done = None
-        try:
-            self.gt = _GT_TOKENS.setdefault(tokenizer, {})
-        except TypeError:  # tokenizer not weak-referenceable
-            self.gt = {}
-
-    def _has_gt(self, tok: int) -> bool:
-        if tok not in self.gt:  # ids past the tokenizer (padded embedding rows, e.g. Qwen2.5) have no text
-            self.gt[tok] = tok < len(self.tokenizer) and ">" in self.tokenizer.decode([tok], skip_special_tokens=False)
-        return self.gt[tok]
-
-    def _stops(self, row_ids) -> bool:
-        text = self.tokenizer.decode(row_ids[self.start_len:].tolist(), skip_special_tokens=False)
-        return any(s in text for s in STOP_STRINGS)
-
-    def __call__(self, input_ids, scores, **kwargs):
-        n = input_ids.shape[1] - self.start_len  # tokens generated so far
-        last = input_ids[:, -1].tolist()
-        ended = []
-        for b in self.live:
-            if self._has_gt(last[b]) and self._stops(input_ids[b]):
-                self.reason[b] = "stop"
-            elif last[b] in self.eos_token_id:
-                self.reason[b] = "eos"
-            elif n >= self.budgets[b]:
-                self.reason[b] = "length"
-            else:
-                continue
-            self.length[b] = n
-            ended.append(b)
-        if self.done is None:
-            self.done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        if ended:
-            self.done[ended] = True
-            self.live = [b for b in self.live if self.reason[b] is None]
-            if self.processor is not None:
-                self.processor.rows = torch.tensor(self.live, dtype=torch.long, device=input_ids.device)
-        return self.done.clone()
 
 
 # --- the plain path: model.generate with the keyed processor, one call per chunk of rows ---
@@ -148,7 +91,7 @@ def _generate_chunk(model, tokenizer, contexts, keys, budgets, proto) -> list:
         attention[b, width - len(ctx):] = 1
     device = model.device
     proc = KeyedGumbelProcessor(torch.tensor([_signed(k) for k in keys], device=device), width, proto.temperature,
-                                proto.top_k, proto.top_p, proto.fused_sampler)
+                                proto.top_k, proto.top_p, _fused(proto, device))
     stopper = TurnStopper(tokenizer, width, budgets, eos, proc)
     config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max(budgets), eos_token_id=eos or None,
                               pad_token_id=pad, use_cache=True)
@@ -233,21 +176,14 @@ def _usable(ep, ctx):
     return entry, n
 
 
-def _hidden_hook(model):
-    """(list the final norm's outputs land in, hook handle or None): the LM head's input, for models whose forward
-    is the library's own (_can_track)."""
-    seen = []
-    norm = getattr(model.base_model, "norm", None) if _can_track(model) else None
-    hook = norm.register_forward_hook(lambda mod, args, out: seen.append(out)) if norm is not None else None
-    return seen, hook
-
-
 def _forward(model, ids, mask, pos, cache):
     """The model's own forward (a subclass may change its logits) over (b, S) new tokens on top of `cache` (updated
     in place) -> (logits of the last position (b, V) float32, final hidden states (b, S, hidden) or None when the
     model cannot be read that way). Padding: mask 0 (left of the cache, right of the new tokens); a dict mask is the
     slot cache's, already per layer type."""
-    seen, hook = _hidden_hook(model)
+    seen = []
+    norm = getattr(model.base_model, "norm", None) if _can_track(model) else None
+    hook = norm.register_forward_hook(lambda mod, args, out: seen.append(out)) if norm is not None else None
     try:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                     logits_to_keep=1)
@@ -360,81 +296,6 @@ def _prefill_bucket(model, bucket, pad):
             ep._kv = entry  # shared, never written: a later turn makes a new entry
 
 
-# --- stops decided on the device: a string-matching automaton over the tokens' own texts ---
-_TEXTS = weakref.WeakKeyDictionary()  # tokenizer -> {vocab: [text of each id]}
-
-
-def _vocab_texts(tokenizer, vocab: int) -> list:
-    """The decoded text of every id below vocab ("" past the tokenizer: padded embedding rows have no text)."""
-    try:
-        cached = _TEXTS.setdefault(tokenizer, {})
-    except TypeError:  # not weak-referenceable
-        cached = {}
-    if vocab not in cached:
-        n = min(vocab, len(tokenizer))
-        cached[vocab] = [tokenizer.decode([i], skip_special_tokens=False) for i in range(n)] + [""] * (vocab - n)
-    return cached[vocab]
-
-
-def stop_automaton(texts, patterns=STOP_STRINGS):
-    """(next_state (Q, V) int64, hit (Q, V) bool, states): state = the longest suffix of the turn's text so far
-    (tokens' texts concatenated) that is a proper prefix of a pattern; hit: a pattern ends inside the token's text.
-
-    A stop found in the decoded text is found here too for byte-level BPE, sentencepiece and word-level tokenizers
-    (a pattern is ASCII without spaces, so decoding a sequence only adds spaces or replacement characters around it);
-    the host checks every hit, and every '>' token, exactly (TurnStopper's rule), so this only decides how early a row
-    freezes, never which tokens a row gets."""
-    states = sorted({p[:i] for p in patterns for i in range(len(p))}, key=lambda s: (len(s), s))
-    index, longest = {s: q for q, s in enumerate(states)}, max(map(len, patterns))
-    tails = tuple(p[i:] for p in patterns for i in range(1, len(p)))  # a pattern's end, starting inside a state
-    pieces = {p[i:j] for p in patterns for i in range(len(p)) for j in range(i + 1, len(p) + 1)}
-    firsts = {p[0] for p in patterns}
-
-    def step(s):
-        hit = any(p in s for p in patterns)
-        return next((index[s[-n:]] for n in range(min(len(s), longest - 1), 0, -1) if s[-n:] in index), 0), hit
-
-    nxt = np.zeros((len(states), len(texts)), dtype=np.int64)
-    hits = np.zeros((len(states), len(texts)), dtype=bool)
-    for v, t in enumerate(texts):
-        if not t:
-            nxt[:, v] = np.arange(len(states))  # no text: the state carries over
-        elif t in pieces or t.startswith(tails):  # the state before it matters
-            for q, s in enumerate(states):
-                nxt[q, v], hits[q, v] = step(s + t)
-        elif firsts & set(t):
-            nxt[:, v], hits[:, v] = step(t)
-    return nxt, hits, states
-
-
-class _StopRule:
-    """TurnStopper's rule for one row on the host, and its tables for the device (Decoder): the automaton, and EOS."""
-
-    def __init__(self, tokenizer, eos, vocab: int, device):
-        self.tokenizer, self.eos = tokenizer, set(eos)
-        texts = _vocab_texts(tokenizer, vocab)
-        self.gt = np.array([">" in t for t in texts])
-        self.next_state, hit, _ = stop_automaton(texts)
-        is_eos = torch.zeros(vocab, dtype=torch.bool)
-        is_eos[[e for e in eos if e < vocab]] = True
-        self.tables = (torch.from_numpy(self.next_state.ravel()).to(device), torch.from_numpy(hit.ravel()).to(device),
-                       is_eos.to(device))
-
-    def reason(self, row, tok: int):
-        """A stop string in the decoded turn (only a '>' token can complete one), EOS, or the budget: that order."""
-        if self.gt[tok] and any(s in self.tokenizer.decode(row.ids, skip_special_tokens=False) for s in STOP_STRINGS):
-            return "stop"
-        if tok in self.eos:
-            return "eos"
-        return "length" if len(row.ids) >= row.budget else None
-
-    def state(self, ids) -> int:
-        q = 0
-        for tok in ids:
-            q = int(self.next_state[q, tok])
-        return q
-
-
 # --- the decode loop: rows in slots of a preallocated cache, read back every few steps ---
 @dataclass
 class _Row:
@@ -461,9 +322,14 @@ def _start(episodes, r):
 
 
 def _sample(proto, device) -> dict:
-    """keyed_draw's settings; the fused (compiled) draw on CUDA only: on the CPU the eager draw is the faster one."""
-    return dict(temperature=proto.temperature, top_k=proto.top_k, top_p=proto.top_p,
-                fused=proto.fused_sampler and device.type == "cuda")
+    """keyed_draw's settings."""
+    return dict(temperature=proto.temperature, top_k=proto.top_k, top_p=proto.top_p, fused=_fused(proto, device))
+
+
+def _fused(proto, device) -> bool:
+    """The compiled draw where it pays: on CUDA. On the CPU it is 2-4x faster per draw after an 8-10 s compile
+    (RESULTS.md), which the short CPU runs (tests, the CLIs) do not recover, so the CPU keeps the eager reference."""
+    return proto.fused_sampler and device.type == "cuda"
 
 
 def _finish(episodes, gens, r, stop, entry):
@@ -545,24 +411,18 @@ def _decoder(model, proto, rule, slots: int, length: int):
     return held[key]
 
 
+def _cache_length(model, proto, queue) -> int:
+    """Positions per slot: max_context + 1 on CUDA (one allocation, stable for CUDA graphs: a stopped row writes its
+    unused next position); on the CPU what this call's rows can reach, in steps of 1024 (kept while large enough)."""
+    if model.device.type == "cuda":
+        return proto.max_context + 1
+    reach = max(n + r.budget - len(r.ids) for r, _, _, n, _ in queue) + 1
+    return min(proto.max_context + 1, -(-reach // 1024) * 1024)
+
+
 def free_cache(model):
     """Drop the model's slot cache and decoders (and their CUDA graphs); the next call allocates again."""
     _DECODERS.pop(model, None)
-
-
-_RULES = weakref.WeakKeyDictionary()  # tokenizer -> {(vocab, eos, device): _StopRule}
-
-
-def _rule(model, tokenizer, eos):
-    vocab = model.get_output_embeddings().weight.shape[0]
-    key = (vocab, tuple(eos), str(model.device))
-    try:
-        held = _RULES.setdefault(tokenizer, {})
-    except TypeError:
-        held = {}
-    if key not in held:
-        held[key] = _StopRule(tokenizer, eos, vocab, model.device)
-    return held[key]
 
 
 class _Slots:
@@ -571,12 +431,12 @@ class _Slots:
     step, then fork by copying it), leave the slot the read-back after they stop (their positions copied out as the
     episode's KVEntry) and, once nobody waits, the top rows move down into the holes, so the step runs on a prefix."""
 
-    def __init__(self, model, dec, rule, episodes, gens, proto):
-        self.model, self.dec, self.cache, self.rule, self.episodes, self.gens = model, dec, dec.cache, rule, episodes, gens
+    def __init__(self, dec, rule, episodes, gens, fixed: bool):
+        self.dec, self.cache, self.rule, self.episodes, self.gens = dec, dec.cache, rule, episodes, gens
         self.rows, self.pos = [None] * dec.slots, [0] * dec.slots  # per slot: its row, its positions at the read-back
         self.free, self.forks, self.since = list(range(dec.slots)), [], 0
         self.eager_at = max(1, dec.slots // 8)  # stopped rows that trigger an early read-back while rows wait
-        self.graphs = dec.graphs
+        self.fixed = fixed  # few step shapes (CUDA graphs; on the CPU the same shapes, run eagerly)
 
     def run(self, queue):
         while queue or any(r is not None for r in self.rows):
@@ -619,7 +479,7 @@ class _Slots:
         n_rows = occupied[-1] + 1
         n_fwd = max(s for s in occupied if s not in forking) + 1
         width = min(self.cache.length, max(self.pos[s] for s in occupied) + self.since + 1)
-        if self.graphs:  # few shapes: rows to a power of two, width to a multiple of 256
+        if self.fixed:  # few shapes: rows to a power of two, width to a multiple of 256
             n_rows = n_fwd = min(self.dec.slots, 1 << (n_rows - 1).bit_length())
             width = min(self.cache.length, -(-width // 256) * 256)
         self.dec.run(n_fwd, n_rows, width)
@@ -640,6 +500,7 @@ class _Slots:
         when a row freezes), finished rows out, rows the device froze without a stop thawed."""
         rec = self.dec.read(self.since, max(s for s, r in enumerate(self.rows) if r is not None) + 1).numpy()
         COUNTS["syncs"] += 1
+        COUNTS["live_steps"] += int(rec[:, 3].sum())
         self.since = 0
         freed, thaw = [], []
         for s, r in enumerate(self.rows):
@@ -707,7 +568,8 @@ def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
     # model.generate (DESIGN.md 4), which can neither drop and refill rows nor start from kept caches.
     # DEVIATION P1: the logits come from cached keys/values, not a full re-prefill: equal up to float rounding, so a
     # draw at an exact near-tie (|gap| ~ 1e-6) could differ from the generate path; none did in tests/bench.
-    rule, gens, queue, tracking = _rule(model, tokenizer, eos), [None] * len(episodes), collections.deque(), []
+    rule = stop_rule(tokenizer, eos, model.get_output_embeddings().weight.shape[0], model.device)
+    gens, queue, tracking = [None] * len(episodes), collections.deque(), []
     for r in rows:
         item = _start(episodes, r)
         if item is None:
@@ -717,8 +579,8 @@ def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
     if tracking:
         queue.extend(_track(model, episodes, tracking, proto, rule, gens))
     if queue:
-        dec = _decoder(model, proto, rule, proto.gen_batch_size, proto.max_context + 1)
-        _Slots(model, dec, rule, episodes, gens, proto).run(queue)
+        dec = _decoder(model, proto, rule, proto.gen_batch_size, _cache_length(model, proto, queue))
+        _Slots(dec, rule, episodes, gens, proto.cuda_graphs).run(queue)
     return gens
 
 

@@ -101,7 +101,8 @@ class Decoder:
 
     def __init__(self, cache: SlotCache, slots: int, forward, tables, sample: dict, ring: int, graphs: bool,
                  impl: str):
-        self.cache, self.slots, self.forward, self.sample, self.ring, self.impl = cache, slots, forward, sample, ring, impl
+        self.cache, self.slots, self.forward, self.sample, self.ring = cache, slots, forward, sample, ring
+        self.impl = impl
         self.next_state, self.hit, self.is_eos = tables
         self.vocab = self.is_eos.shape[0]
         dev, s = cache.k.device, slots
@@ -115,7 +116,10 @@ class Decoder:
         self.ar = torch.arange(s, device=dev)
         self.graphs = graphs and dev.type == "cuda"
         self._graphs, self._warm, self._pool = {}, set(), None
-        self._scratch, self._mail = None, []
+        self._scratch, self._mail, self._seen = None, [], 0
+        if dev.type == "cuda":  # per step: the stop count, copied to the host without waiting (stopped_so_far)
+            self._boxes = torch.zeros(ring, dtype=torch.long, pin_memory=True)
+            self._events = [torch.cuda.Event() for _ in range(ring)]
 
     def set(self, slots: list, **values):
         """Host writes of slot state: values name -> list (one per slot), one host-to-device copy each."""
@@ -128,12 +132,11 @@ class Decoder:
         """One step: rows [0, n_rows) draw; the model runs on rows [0, n_fwd) (the others read a leader's logits).
         With graphs each shape is captured on its second use (its first, eager, warms it up) and replayed after."""
         self._replay(n_fwd, n_rows, width)
-        if self.tok.device.type == "cuda":  # the stop count, copied without waiting (stopped_so_far)
-            box = torch.empty((), dtype=torch.long, pin_memory=True)
-            box.copy_(self.stopped, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._mail.append((event, box))
+        if self.tok.device.type == "cuda":
+            i = len(self._mail)
+            self._boxes[i].copy_(self.stopped, non_blocking=True)
+            self._events[i].record()
+            self._mail.append(i)
 
     def _replay(self, n_fwd: int, n_rows: int, width: int):
         if not self.graphs:
@@ -201,11 +204,10 @@ class Decoder:
         CUDA the count as of the newest step the device has finished (copied asynchronously after each step)."""
         if self.tok.device.type != "cuda":
             return int(self.stopped)
-        count = 0
-        while self._mail and self._mail[0][0].query():
-            count = int(self._mail.pop(0)[1])
-        self._last = count if count else getattr(self, "_last", 0)
-        return self._last
+        done = [i for i in self._mail if self._events[i].query()]
+        if done:
+            self._seen = int(self._boxes[done[-1]])
+        return self._seen
 
     def read(self, steps: int, n: int):
         """(steps, 5, n) float64 records of the last `steps` steps of slots [0, n), on the host (the one sync), and
@@ -213,5 +215,5 @@ class Decoder:
         out = self.rec[:steps, :, :n].cpu()
         self.t.zero_()
         self.stopped.zero_()
-        self._mail, self._last = [], 0
+        self._mail, self._seen = [], 0
         return out
