@@ -129,10 +129,10 @@ class StopRule:
         self.tokenizer, self.eos = tokenizer, set(eos)
         texts = _vocab_texts(tokenizer, vocab)
         self.gt = np.array([">" in t for t in texts])
-        self.next_state, hit, _ = stop_automaton(texts)
+        self.next_state, self.hit, _ = stop_automaton(texts)
         is_eos = torch.zeros(vocab, dtype=torch.bool)
         is_eos[[e for e in eos if e < vocab]] = True
-        self.tables = (torch.from_numpy(self.next_state.ravel()).to(device), torch.from_numpy(hit.ravel()).to(device),
+        self.tables = (torch.from_numpy(self.next_state.ravel()).to(device), torch.from_numpy(self.hit.ravel()).to(device),
                        is_eos.to(device))
 
     def reason(self, row, tok: int):
