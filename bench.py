@@ -16,6 +16,8 @@
                           share of the 3B preset) at realistic turn lengths, old engine (its tree) and new interleaved,
                           for the tiny policy's shape and a 12M-parameter Qwen2 with a 32k vocabulary: time per token,
                           whole-cache copies and host read-backs per decode step, slot occupancy, bytes moved
+  python bench.py draw    one keyed draw over (128, V): eager against compiled (fused_sampler), and top_p = 0.95 by
+                          the full sort against 256 candidates (CPU or GPU, whichever torch sees)
   engine_gpu()            the engine's GPU figure (tokens/s per GPU at that batch, with and without CUDA graphs), a
                           function for the first-GPU check
 """
@@ -560,6 +562,48 @@ def per_gpu(preset: str) -> list:
     return ["--prompts_per_step=64"]
 
 
+def bench_draw(reps: int = 5, batch: int = 128, vocabs=(2048, 32000, 151_936)) -> list:
+    """One keyed draw (sampler.keyed_draw) over (batch, V) random logits: eager, compiled (fused; its compile time
+    apart) and, with top_p = 0.95, the nucleus from 256 candidates against the full sort it replaces (peaked logits:
+    the candidates hold it). Medians of `reps`, interleaved."""
+    import math
+    import sampler
+
+    def sorted_nucleus(l, top_p):  # the previous commit's top-p: a full ascending sort and cumulative sum
+        sorted_l, order = torch.sort(l, descending=False)
+        drop = sorted_l.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1:] = False
+        return l.masked_fill_(drop.scatter(1, order, drop), -math.inf)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    keys, steps = torch.arange(batch, device=dev) * 7919, torch.arange(batch, device=dev)
+    rows = []
+    for vocab in vocabs:
+        logits = (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 8).to(dev)
+        runs = {"eager": lambda: sampler.keyed_draw(logits.clone(), keys, steps),
+                "fused": lambda: sampler.keyed_draw(logits.clone(), keys, steps, fused=True),
+                "top_p sort": lambda: sorted_nucleus(logits.clone(), 0.95),
+                "top_p candidates": lambda: sampler._mask_top_k_top_p(logits.clone(), 0, 0.95)}
+        t0 = time.perf_counter()
+        runs["fused"]()  # compiles on first use
+        sync()
+        compile_s = time.perf_counter() - t0
+        times = {name: [] for name in runs}
+        for r in range(reps):
+            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                sync()
+                t0 = time.perf_counter()
+                runs[name]()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        rows.append({"device": dev, "vocab": vocab, "batch": batch, "compile_s": compile_s, **{f"{k}_ms": v for k, v in med.items()}})
+        print(f"draw {batch} x {vocab} ({dev}): eager {med['eager']:.1f} ms fused {med['fused']:.1f} ms (compile "
+              f"{compile_s:.1f} s) | top_p=0.95 mask: sort {med['top_p sort']:.1f} ms, 256 candidates "
+              f"{med['top_p candidates']:.1f} ms", flush=True)
+    return rows
+
+
 def cmd_keyed(args):
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -604,6 +648,8 @@ def main(argv=None):
     keyed.add_argument("--fused", action="store_true", help="torch.compile the keyed sampler")
     keyed.add_argument("--device", default=None)
     keyed.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    draw = sub.add_parser("draw", help="one keyed draw: eager vs compiled, top-p by sort vs candidates")
+    draw.add_argument("--reps", type=int, default=5)
     gpu = sub.add_parser("gpu", help="3B- and 7B-shaped random models, 3 TWICE steps each (bf16)")
     gpu.add_argument("--steps", type=int, default=3)
     gpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"), help="questions and retriever")
@@ -613,6 +659,8 @@ def main(argv=None):
         args.base = args.base or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], capture_output=True,
                                                 text=True, check=True).stdout.strip()
         return cmd_cpu(args)
+    if args.cmd == "draw":
+        return bench_draw(args.reps)
     return cmd_keyed(args) if args.cmd == "keyed" else cmd_gpu(args)
 
 

@@ -3,24 +3,28 @@
 generate_turn(model, tokenizer, episodes, proto) samples one turn per episode. From an episode it reads only its
 context (prompt_ids + ids), the key of its next turn (key_for(len(turns)), sampler.py) and, for the cached engine,
 its KV cache (`_kv`); it returns a Generation per row: the token ids exactly as sampled (no decode/re-encode), their
-log-probs and entropies, and why the turn stopped: right after the first `</search>` or `</answer>` in its decoded
-text (protocol.STOP_STRINGS), at EOS, or at its token budget. The noise keys are (turn key, position in the turn),
-so neither padding, batch composition nor caching changes a token.
+log-probs and entropies, and why the turn stopped (stops.py: right after the first `</search>` or `</answer>` in its
+decoded text, at EOS, or at its token budget). The noise keys are (turn key, position in the turn), so neither
+padding, batch composition, caching nor read-back timing changes a token.
 
 Two paths, the same tokens (tested):
-  cached (Protocol.engine = "cached", any transformers model): each episode keeps the KV cache of its context
-    (a KVEntry); a turn feeds only what the cache lacks (the previous turn's last token and the observation),
-    identical contexts in a call (a group's prompt) are prefilled once, a branch starts from its parent's cache,
-    identical sequences share one decode row, and rows leave the decode batch as they finish while waiting rows
-    take their slots (continuous batching): every context token goes through the model once per episode.
-  generate (engine = "generate", or any object with only `generate`): left-padded `model.generate` calls with
+  cached (Protocol.engine = "cached", transformers decoders with full sdpa/eager attention): each episode keeps the
+    KV cache of its context (a KVEntry); a turn feeds only what the cache lacks (the previous turn's last token and
+    the observation), identical contexts in a call are prefilled once, a branch starts from its parent's cache. The
+    decode runs in slots of one preallocated cache written in place (kvcache.py: no concatenation, no whole-cache
+    copy, a fixed-shape step CUDA graphs can replay); rows join free slots, leave at their stop, rows with one
+    context share their first step, and a twin's repeated tokens are read off stored hidden states. Stops are
+    decided on the device (stops.py's automaton) and the sampled tokens read back every `sync_every` steps.
+  generate (engine = "generate", or any other object with `generate`): left-padded `model.generate` calls with
     sampler.KeyedGumbelProcessor, each re-prefilling its whole context.
-COUNTS adds up what each path spends (model positions, padding, row-steps) for bench.py.
+COUNTS adds up what each path spends (model positions, padding, row-steps, decode steps, read-backs, bytes copied)
+for bench.py.
 
 It knows no reward, no retriever and no twins: it sees rows of token ids with keys and caches. What a turn means
 (its action, its observation, a branch) is rollout.py's.
 
-Deviations of the cached engine (DESIGN.md section 11; tagged `# DEVIATION P<n>:` below; P2 and P4 are logprobs.py's):
+Deviations of the cached engine (DESIGN.md section 11; tagged `# DEVIATION P<n>:` where they act; P2 and P4 are
+logprobs.py's, P7 sampler.py's, P8 kvcache.py's):
   P1. Logits from cached keys/values (or stored hidden states) equal re-prefilled ones up to float rounding, so a
       draw at an exact near-tie could differ from the generate path (none did in tests or benchmarks).
   P3. Each episode's cache lives as long as its Episode object (twins need it after the rollout); no host offload.

@@ -14,6 +14,10 @@ of the last steps' records that the host reads back every few steps, not every t
 
 It knows no tokenizer, episode or stop string: engine.py builds the tables, chooses which row lives in which slot and
 reads the records.
+
+Deviation (README "Deviations"; `# DEVIATION P8:` where it acts):
+  P8. On CUDA in bf16 a row's logits depend, at rounding level, on the step's shape (graph or eager, rows, width):
+      a near-tie can go another way than in the generate path; on the CPU in float32 every test gives equal tokens.
 """
 import torch
 
@@ -159,6 +163,8 @@ class Decoder:
         self._graphs[shape].replay()
 
     def _step(self, n_fwd: int, n: int, width: int):
+        # DEVIATION P8: on CUDA in bf16 the logits depend at rounding level on (n, width) and the kernels they pick,
+        # so a near-tie can go another way than in another step shape or the generate path (DESIGN.md section 11).
         cache = self.cache
         cache.n, cache.width, cache.pos = n_fwd, width, self.pos[:n_fwd]
         cache.rows = self.ar[:n_fwd]

@@ -12,11 +12,16 @@ it, same luck, different choice: D_t = U - U', E[D_t | s_t, y_t] = Q(s_t, y_t) -
 (uncoupled twins, Monte Carlo continuations, the baselines' branches, the budget rule's branch draws, shuffles) is
 mix(key, TAG, ...) with a tag of the one table below, so no two kinds of draw share noise.
 
-`keyed_gumbel_argmax` is the definition, written as its formula. `KeyedGumbelProcessor` (a transformers
-LogitsProcessor) is the fast exact draw the engine uses: the exponential race, the same tokens (tested), one log per
-element instead of two, optionally one torch.compile kernel.
+`keyed_gumbel_argmax` is the definition, written as its formula. `keyed_draw` is the fast exact draw the engine uses
+(and `KeyedGumbelProcessor`, a transformers LogitsProcessor, inside model.generate): the exponential race, the same
+tokens (tested), one log per element instead of two, optionally one torch.compile kernel; top-p without a
+full-vocabulary sort.
 
 It knows no model, tokenizer, protocol or episode: integer keys in, uniforms and token ids out.
+
+Deviation (README "Deviations"; `# DEVIATION P7:` where it acts):
+  P7. Top-p keeps every token tied with the least likely kept one, its mass summed from candidates or a bisection
+      rather than a sorted float32 cumulative sum: the float64 definition's set (tested), not vLLM's sort order.
 """
 import hashlib
 import math
@@ -197,7 +202,7 @@ def _mask_top_k_top_p(l, top_k: int, top_p: float):
     """
     if top_k > 0 and top_k < l.shape[-1]:
         l.masked_fill_(l < torch.topk(l, top_k).values[..., -1:], -math.inf)
-    if top_p < 1.0:
+    if top_p < 1.0:  # DEVIATION P7: ties at the boundary all kept; the mass summed without a sort (_nucleus_floor)
         l.masked_fill_(l < _nucleus_floor(l, top_p), -math.inf)
     return l
 
