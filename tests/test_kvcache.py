@@ -7,7 +7,7 @@ import torch
 from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_model, word_tok  # noqa: F401
 from transformers import Qwen2Config
 
-import bench
+import bench_engine
 import engine
 import kvcache
 import rollout
@@ -19,12 +19,12 @@ from protocol import Protocol
 def test_cache_bytes_is_the_slot_cache_size():
     tiny = Qwen2Config(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=1)
-    for config, hidden in ((tiny, True), (tiny, False), (Qwen2Config(**bench.SHAPES["3b"]), True)):
+    for config, hidden in ((tiny, True), (tiny, False), (Qwen2Config(**bench_engine.SHAPES["3b"]), True)):
         cache = kvcache.SlotCache(config, 8, 33, torch.bfloat16, "meta", hidden)
         assert cache.nbytes() == kvcache.cache_bytes(8, 33, config, torch.bfloat16, hidden)
         assert cache.position_bytes() * 8 * 33 == cache.nbytes()
     # the docstring's figure: Qwen2.5-3B, 128 slots of 4097 positions, bf16 (36 layers x 2 kv heads x 128 x 2 x 2 B)
-    three_b = Qwen2Config(**bench.SHAPES["3b"])
+    three_b = Qwen2Config(**bench_engine.SHAPES["3b"])
     assert round(kvcache.cache_bytes(128, 4097, three_b, torch.bfloat16, False) / 1e9, 1) == 19.3
     assert round(kvcache.cache_bytes(128, 4097, three_b, torch.bfloat16, True) / 1e9, 1) == 21.5
 
@@ -74,7 +74,7 @@ def test_the_cache_is_allocated_once_and_read_back_every_sync_every_steps(word_t
     eps = lambda step: rollout.start_episodes(word_tok, questions(40), 3, step)  # noqa: E731
     engine.generate_turn(model, word_tok, eps(0), proto)
     storage = engine._DECODERS[model]["cache"].k.data_ptr()
-    counts = bench._reset()
+    counts = bench_engine._reset()
     gens = engine.generate_turn(model, word_tok, eps(1), proto)
     assert [len(g.ids) for g in gens] == [30] * 40 and all(g.stop == "length" for g in gens)
     assert engine._DECODERS[model]["cache"].k.data_ptr() == storage
@@ -99,9 +99,9 @@ def test_kv_stored_in_the_autocast_dtype_changes_nothing():
 
 
 def test_engine_gpu_runs_at_a_tiny_size():
-    """bench.engine_gpu, the first-GPU check's figure, on the CPU at a tiny size: both variants (cuda_graphs off and
+    """bench_engine.engine_gpu, the first-GPU check's figure, on the CPU at a tiny size: both variants (cuda_graphs off and
     on: exact and fixed step shapes here) decode the same tokens."""
-    out = bench.engine_gpu(shape="tiny", rows=6, slots=4, median=4, cap=6, max_context=512, device="cpu")
+    out = bench_engine.engine_gpu(shape="tiny", rows=6, slots=4, median=4, cap=6, max_context=512, device="cpu")
     for name in ("no_graphs", "graphs"):
         assert out[name]["tokens"] > 6 and out[name]["tok_s"] > 0 and 0 < out[name]["slot_occupancy"] <= 1
     assert out["same_tokens"]

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 from test_rollout import PIECES, byte_tok, encode, one_thread, word_tok  # noqa: F401
 
-import bench
+import bench_engine
 import stops
 from protocol import STOP_STRINGS
 
@@ -55,7 +55,7 @@ def test_the_automaton_marks_the_first_stop_word_level_and_qwen(word_tok):
     for _ in range(300):
         ids = [rng.choice(tags) if rng.random() < 0.1 else rng.randrange(len(word_tok)) for _ in range(20)]
         assert automaton_first_hit(rule, ids) == exact_first_stop(word_tok, ids)
-    qwen = bench.qwen_tokenizer()
+    qwen = bench_engine.qwen_tokenizer()
     rule = stops.StopRule(qwen, [], 151_936, "cpu")
     assert not rule.gt[len(qwen):].any() and (rule.next_state[:, len(qwen):] == np.arange(15)[:, None]).all()
     words = ["</search>", "</answer>", "</sea", "rch>", "</", "answer>", "<", ">", " ", "\n", "query", "日本", "/a"]
