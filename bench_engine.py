@@ -243,8 +243,9 @@ def engine_report(tree: str, world: str, rounds: int, rows: int, slots: int) -> 
         runs = {"old": [], "new": []}
         for r in range(rounds):
             for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                here = os.path.abspath(__file__)
                 code = (f"import json, sys, importlib.util; sys.path.insert(0, {tree if name == 'old' else ROOT!r}); "
-                        f"spec = importlib.util.spec_from_file_location('bench_engine_here', {os.path.abspath(__file__)!r}); "
+                        f"spec = importlib.util.spec_from_file_location('bench_engine_here', {here!r}); "
                         "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b); "
                         f"print(json.dumps(b.engine_turn({shape!r}, {world!r}, rows={rows}, slots={slots})))")
                 proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(),
@@ -303,7 +304,8 @@ def bench_draw(reps: int = 5, batch: int = 128, vocabs=(2048, 32000, 151_936)) -
                 sync()
                 times[name].append(time.perf_counter() - t0)
         med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        rows.append({"device": dev, "vocab": vocab, "batch": batch, "compile_s": compile_s, **{f"{k}_ms": v for k, v in med.items()}})
+        rows.append({"device": dev, "vocab": vocab, "batch": batch, "compile_s": compile_s,
+                     **{f"{k}_ms": v for k, v in med.items()}})
         print(f"draw {batch} x {vocab} ({dev}): eager {med['eager']:.1f} ms fused {med['fused']:.1f} ms (compile "
               f"{compile_s:.1f} s) | top_p=0.95 mask: sort {med['top_p sort']:.1f} ms, 256 candidates "
               f"{med['top_p candidates']:.1f} ms", flush=True)

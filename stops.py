@@ -132,8 +132,8 @@ class StopRule:
         self.next_state, self.hit, _ = stop_automaton(texts)
         is_eos = torch.zeros(vocab, dtype=torch.bool)
         is_eos[[e for e in eos if e < vocab]] = True
-        self.tables = (torch.from_numpy(self.next_state.ravel()).to(device), torch.from_numpy(self.hit.ravel()).to(device),
-                       is_eos.to(device))
+        self.tables = (torch.from_numpy(self.next_state.ravel()).to(device),
+                       torch.from_numpy(self.hit.ravel()).to(device), is_eos.to(device))
 
     def reason(self, row, tok: int):
         """A stop string in the decoded turn (only a '>' token can complete one), EOS, or the budget: that order."""

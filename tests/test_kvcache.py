@@ -99,8 +99,8 @@ def test_kv_stored_in_the_autocast_dtype_changes_nothing():
 
 
 def test_engine_gpu_runs_at_a_tiny_size():
-    """bench_engine.engine_gpu, the first-GPU check's figure, on the CPU at a tiny size: both variants (cuda_graphs off and
-    on: exact and fixed step shapes here) decode the same tokens."""
+    """bench_engine.engine_gpu, the first-GPU check's figure, on the CPU at a tiny size: both variants (cuda_graphs
+    off and on: exact and fixed step shapes here) decode the same tokens."""
     out = bench_engine.engine_gpu(shape="tiny", rows=6, slots=4, median=4, cap=6, max_context=512, device="cpu")
     for name in ("no_graphs", "graphs"):
         assert out[name]["tokens"] > 6 and out[name]["tok_s"] > 0 and 0 < out[name]["slot_occupancy"] <= 1
