@@ -473,7 +473,8 @@ class _Slots:
                 lead[key] = s
                 COUNTS["copied"] += self.cache.copy(s, entry, n) if n else 0
         self.dec.set(slots, tok=[item[4] for item in order], pos=[item[3] for item in order],
-                     key=[_signed(item[0].key) for item in order], step=[len(item[0].ids) for item in order],
+                     key=[_signed(item[0].key) for item in order], npos=[len(item[0].ids) for item in order],
+                     turn=[_signed(item[0].key) for item in order], step=[len(item[0].ids) for item in order],
                      budget=[item[0].budget for item in order], live=[True] * len(order),
                      sstate=[self.rule.state(item[0].ids) for item in order], src=[lead[item[1]] for item in order])
 

@@ -96,9 +96,11 @@ def attention_mask(pos, width: int, impl: str, dtype):
 class Decoder:
     """Per-slot decode state on the device, the fixed-shape step, and the ring of per-step records.
 
-    Slot state: tok (next input token), pos (its position = cached positions), key, step (tokens drawn this turn),
+    Slot state: tok (next input token), pos (its position = cached positions), key and npos (the noise key and
+    position of its next draw), turn (the key of its later draws: its turn key), step (the turn's tokens so far),
     budget, live (drawing), sstate (stop-automaton state), src (the slot whose logits it draws from: itself, or the
-    slot it shares a first step with). A row stops when its token completes a stop string per the automaton tables
+    slot it shares a first step with). Keys and positions are per row, so a row may start at any position or draw
+    its first token with a key of its own. A row stops when its token completes a stop string per the automaton tables
     (next_state, hit: (Q * V,)), is EOS (is_eos (V,)) or reaches its budget: it freezes (draws no more, keeps writing
     its unused next position) until the host reads the records back and frees the slot.
     """
@@ -111,7 +113,8 @@ class Decoder:
         self.vocab = self.is_eos.shape[0]
         dev, s = cache.k.device, slots
         zeros = lambda dtype=torch.long: torch.zeros(s, dtype=dtype, device=dev)  # noqa: E731
-        self.tok, self.pos, self.key, self.step, self.budget, self.sstate = (zeros() for _ in range(6))
+        self.tok, self.pos, self.key, self.npos, self.turn, self.step, self.budget, self.sstate = (
+            zeros() for _ in range(8))
         self.live = zeros(torch.bool)
         self.src = torch.arange(s, device=dev)
         self.rec = torch.zeros((ring, 5, s), dtype=torch.float64, device=dev)  # token, log-prob, entropy, live, stop
@@ -174,7 +177,7 @@ class Decoder:
             cache.hid[cache.rows, cache.pos] = hidden[:, 0].to(cache.dtype)
         live = self.live[:n]
         logits = logits.index_select(0, self.src[:n])
-        token, logprob, entropy = keyed_draw(logits, self.key[:n], self.step[:n], scratch=self._buffers(logits),
+        token, logprob, entropy = keyed_draw(logits, self.key[:n], self.npos[:n], scratch=self._buffers(logits),
                                              **self.sample)
         cell = self.sstate[:n] * self.vocab + token
         stop = live & (self.hit[cell] | self.is_eos[token] | (self.step[:n] + 1 >= self.budget[:n]))
@@ -186,6 +189,8 @@ class Decoder:
         self.tok[:n] = torch.where(live, token, self.tok[:n])
         self.pos[:n] += live
         self.step[:n] += live
+        self.key[:n] = torch.where(live, self.turn[:n], self.key[:n])  # a row's next draws: its turn key, in order
+        self.npos[:n] += live
         self.live[:n] = live & ~stop
 
     def _buffers(self, logits):
@@ -201,7 +206,7 @@ class Decoder:
     def move(self, dst: list, src: list):
         """Slots dst take the state of slots src (the host copies their cache positions)."""
         dst, src = (torch.tensor(x, dtype=torch.long, device=self.tok.device) for x in (dst, src))
-        for buf in (self.tok, self.pos, self.key, self.step, self.budget, self.sstate, self.live):
+        for buf in (self.tok, self.pos, self.key, self.npos, self.turn, self.step, self.budget, self.sstate, self.live):
             buf.index_copy_(0, dst, buf.index_select(0, src))
         self.src.index_copy_(0, dst, dst)
 
