@@ -406,7 +406,7 @@ def _decoder(model, proto, rule, slots: int, length: int):
         held.clear()  # the old cache goes before the new one is allocated: no doubling
         held["cache"] = cache = kvcache.SlotCache(model.config, slots, length, dtype, model.device, hidden)
     sample = _sample(proto, model.device)
-    key = (slots, id(rule), proto.sync_every, proto.cuda_graphs, tuple(sorted(sample.items())))
+    key = (slots, rule, proto.sync_every, proto.cuda_graphs, tuple(sorted(sample.items())))
     if key not in held:
         def forward(ids, mask, pos, cache):  # the slot cache's mask is per layer type, prepared
             return _forward(model, ids, {"full_attention": mask}, pos, cache)
