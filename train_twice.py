@@ -463,6 +463,9 @@ def setup(cfg: Config) -> Run:
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=cfg.collective_timeout_h))
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", gradient_accumulation_steps=n_micro,
                         cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
+    if cfg.lora_rank and accel.distributed_type == "DEEPSPEED":  # its save_state writes the whole model
+        raise ValueError("lora_rank > 0 runs under DDP (configs/accelerate_ddp.yaml), not DeepSpeed: the adapters' "
+                         "gradients and AdamW state are small enough to hold whole on each GPU (python lora.py memory)")
     torch.manual_seed(cfg.seed)
     policy, tok = qa_eval.load_policy(cfg.model, accel.device, lora.base_dtype(cfg))  # fp32; LoRA: bf16 base if bf16
     if cfg.gradient_checkpointing:  # also makes the embeddings' output require grad: LoRA's gradients flow back

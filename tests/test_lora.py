@@ -90,6 +90,39 @@ def test_an_update_changes_only_the_adapters_and_the_reference_is_the_frozen_bas
         == 8 * n_adapter == 8 * sum(p.numel() for p in policy.parameters() if p.requires_grad)
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate's state is one per process, and earlier tests made it without bf16: cleared before the test (its
+    Accelerator starts anew with bf16) and after it (the next starts anew without)."""
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_a_bf16_lora_run_holds_a_bf16_base_and_its_reference_is_full_fine_tunings(tiny_world, tmp_path, monkeypatch,
+                                                                                   fresh_accelerate_state):
+    """bf16 on (CPU autocast): the frozen base is bf16, the adapters float32, the weights' bytes are memory_bytes';
+    the reference log-probs of step 1 equal those of the bf16 reference model full fine-tuning loads."""
+    cfg = tiny_cfg(tiny_world, str(tmp_path / "unused"), *LORA, "--bf16")
+    run = tt.setup(cfg)
+    policy = run.accel.unwrap_model(run.policy)
+    assert {p.dtype for p in policy.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in policy.parameters() if not p.requires_grad} == {torch.bfloat16}
+    c = {k: getattr(policy.config, k) for k in lora.QWEN2_5["Qwen2.5-3B"]}
+    assert sum(p.numel() * p.element_size() for p in policy.parameters()) == \
+        lora.memory_bytes(c, 4, bf16=True)["lora"]["weights"]
+    seen, real = [], tt.ppo_update
+    monkeypatch.setattr(tt, "ppo_update", lambda cfg, run, batch, adv, old_lp, ref_lp, step: (
+        seen.append((batch, old_lp, ref_lp)), real(cfg, run, batch, adv, old_lp, ref_lp, step))[1])
+    metrics = [tt.train_step(cfg, run, step) for step in (0, 1)]
+    batch, old_lp, ref_lp = seen[1]
+    full_ref, _ = qa_eval.load_policy(cfg.model, "cpu", torch.bfloat16)  # as setup() loads it without LoRA
+    with torch.no_grad(), run.accel.autocast():
+        want, _ = logprobs.batch_logprobs(full_ref, batch, cfg.temperature, cfg.micro_batch_size)
+    assert torch.equal(ref_lp, want) and not torch.equal(old_lp, ref_lp) and metrics[1]["kl"] > 0
+
+
 def test_gradient_checkpointing_gives_the_same_lora_update(tiny_world, tmp_path):
     """The checkpointed blocks recompute their forward in the backward pass; the adapters' gradients still flow
     through the frozen layers: two steps with and without it give the same metrics and adapters."""
@@ -149,6 +182,10 @@ def test_the_merged_export_loads_without_peft_and_computes_the_adapted_policy(lo
         lp = {name: logprobs.token_logprobs(m, ids, att, 1.0)[0] for name, m in
               (("merged", merged), ("adapted", adapted), ("base", base))}
     assert torch.allclose(lp["merged"], lp["adapted"], atol=1e-5, rtol=0)
+    # eval.py on the adapter folder itself: transformers loads the base its adapter_config.json names, then the adapter
+    plain, _ = qa_eval.load_policy(os.path.join(last, "policy"))
+    with torch.no_grad():
+        assert torch.equal(logprobs.token_logprobs(plain, ids, att, 1.0)[0], lp["adapted"])
     assert (lp["adapted"] - lp["base"]).abs().max() > 1e-2  # the adapter is not a no-op: the check could fail
     bf16 = AutoModelForCausalLM.from_pretrained(os.path.join(last, "policy_bf16"))
     want = {k: v.to(torch.bfloat16) for k, v in merged.state_dict().items()}
