@@ -25,7 +25,7 @@ Memory per GPU of weights, gradients, AdamW state and reference, with and withou
 configs written below (no download): `memory_bytes`, and
 
   python lora.py memory --rank 16            # both models, one rank; --shard 8: ZeRO-2's sharded gradients, AdamW
-  python train_twice.py configs/demo.cfg --lora_rank=8 --lr=1e-3 --out_dir=runs/demo/lora   # a LoRA run, CPU
+  python train_twice.py configs/demo.cfg --lora_rank=8 --lora_alpha=16 --lr=2e-3 --out_dir=runs/demo/lora  # CPU
 """
 import argparse
 import contextlib

@@ -30,6 +30,7 @@ Launch:
   make demo                                            # CPU, built-in tiny world, minutes
   python train_twice.py --help                         # every option, its default and meaning
   python train_twice.py configs/qwen2.5-3b.cfg --steps=5                   # one GPU, real model
+  python train_twice.py configs/demo.cfg --lora_rank=8 --lora_alpha=16 --lr=2e-3   # LoRA adapters (lora.py)
   accelerate launch --config_file configs/accelerate_ddp.yaml train_twice.py \
       configs/qwen2.5-3b.cfg                                               # 8 GPUs
   ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
