@@ -127,7 +127,7 @@ def merged_state_dict(model) -> dict:
         if ".lora_" in key:
             continue
         if value.data_ptr() not in cast:
-            cast[value.data_ptr()] = value.detach().to("cpu", torch.float32)
+            cast[value.data_ptr()] = value.detach().to("cpu", torch.float32, copy=True)  # never the live tensor
         out[key.replace(".base_layer.", ".")] = cast[value.data_ptr()]
     for name, layer in layers.items():
         delta = layer.get_delta_weight(layer.active_adapters[0]).to("cpu", torch.float32)
@@ -143,6 +143,12 @@ def merged_model(model):
     with torch.device("meta"):  # no random initialisation: every tensor comes from the merged state dict
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(merged_state_dict(model), strict=True, assign=True)
+    live = dict(model.named_buffers())
+    for name, buffer in list(plain.named_buffers()):  # non-persistent buffers (rotary inv_freq): not in a state dict
+        if not buffer.is_meta:
+            continue
+        owner, _, attr = name.rpartition(".")
+        plain.get_submodule(owner).register_buffer(attr, live[name].to("cpu", copy=True), persistent=False)
     plain.generation_config = copy.deepcopy(model.generation_config)
     return plain.eval()
 

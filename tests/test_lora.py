@@ -182,6 +182,9 @@ def test_the_merged_export_loads_without_peft_and_computes_the_adapted_policy(lo
         lp = {name: logprobs.token_logprobs(m, ids, att, 1.0)[0] for name, m in
               (("merged", merged), ("adapted", adapted), ("base", base))}
     assert torch.allclose(lp["merged"], lp["adapted"], atol=1e-5, rtol=0)
+    in_memory = lora.merged_model(adapted)  # what checkpoint.save wrote: runnable too (rotary buffers restored)
+    with torch.no_grad():
+        assert torch.equal(logprobs.token_logprobs(in_memory, ids, att, 1.0)[0], lp["merged"])
     # eval.py on the adapter folder itself: transformers loads the base its adapter_config.json names, then the adapter
     plain, _ = qa_eval.load_policy(os.path.join(last, "policy"))
     with torch.no_grad():
