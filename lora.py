@@ -162,7 +162,7 @@ def load(cfg, adapter: str, device):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Memory per GPU (for the ledger: bench.py memory)
+# Memory per GPU, for the per-GPU memory ledger to call (weights, gradients, optimizer, reference)
 
 QWEN2_5 = {  # config.json of Qwen/Qwen2.5-3B and Qwen/Qwen2.5-7B on the hub: the fields that size the weights
     "Qwen2.5-3B": dict(vocab_size=151_936, hidden_size=2048, intermediate_size=11_008, num_hidden_layers=36,
