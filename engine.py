@@ -401,7 +401,7 @@ def _decoder(model, proto, rule, slots: int, length: int):
     held = _DECODERS.setdefault(model, {})
     dtype, hidden = kv_dtype(model), _can_track(model)
     cache = held.get("cache")
-    if cache is None or cache.slots < slots or cache.length < length or (cache.dtype, cache.hid is not None) != (
+    if cache is None or cache.slots < slots or cache.length < length or (cache.kv_dtype, cache.hid is not None) != (
             dtype, hidden):
         held.clear()  # the old cache goes before the new one is allocated: no doubling
         held["cache"] = cache = kvcache.SlotCache(model.config, slots, length, dtype, model.device, hidden)

@@ -52,7 +52,9 @@ class SlotCache:
         self.k = torch.zeros((layers, slots, kv_heads, length, head_dim), dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.hid = torch.zeros((slots, length, config.hidden_size), dtype=dtype, device=device) if hidden else None
-        self.slots, self.length, self.dtype = slots, length, dtype
+        # no `dtype` attribute: accelerate's mixed-precision forward wrapper casts every output with one (the cache is
+        # returned among the model's outputs) as if it were a tensor
+        self.slots, self.length, self.kv_dtype = slots, length, dtype
         self.n, self.width, self.pos, self.rows = 0, 0, None, None  # the current forward's rows, set by Decoder
 
     def nbytes(self) -> int:
@@ -61,8 +63,8 @@ class SlotCache:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """(n, H, 1, D) new keys/values -> all `width` cached ones of the n rows, (n, H, width, D) views."""
         k, v = self.k[layer_idx, :self.n], self.v[layer_idx, :self.n]
-        k[self.rows, :, self.pos] = key_states[:, :, 0].to(self.dtype)
-        v[self.rows, :, self.pos] = value_states[:, :, 0].to(self.dtype)
+        k[self.rows, :, self.pos] = key_states[:, :, 0].to(self.kv_dtype)
+        v[self.rows, :, self.pos] = value_states[:, :, 0].to(self.kv_dtype)
         return k[:, :, :self.width], v[:, :, :self.width]
 
     def copy(self, dst: int, src, n: int):
@@ -171,10 +173,11 @@ class Decoder:
         cache = self.cache
         cache.n, cache.width, cache.pos = n_fwd, width, self.pos[:n_fwd]
         cache.rows = self.ar[:n_fwd]
-        logits, hidden = self.forward(self.tok[:n_fwd, None], attention_mask(cache.pos, width, self.impl, cache.dtype),
-                                      cache.pos[:, None], cache)  # (n_fwd, V) float32, (n_fwd, 1, hidden) or None
+        mask = attention_mask(cache.pos, width, self.impl, cache.kv_dtype)
+        logits, hidden = self.forward(self.tok[:n_fwd, None], mask, cache.pos[:, None], cache)  # (n_fwd, V) float32,
+        # (n_fwd, 1, hidden) or None
         if hidden is not None and cache.hid is not None:
-            cache.hid[cache.rows, cache.pos] = hidden[:, 0].to(cache.dtype)
+            cache.hid[cache.rows, cache.pos] = hidden[:, 0].to(cache.kv_dtype)
         live = self.live[:n]
         logits = logits.index_select(0, self.src[:n])
         token, logprob, entropy = keyed_draw(logits, self.key[:n], self.npos[:n], scratch=self._buffers(logits),
