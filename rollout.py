@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 import credit
-from engine import TurnStart, generate_turn
+from engine import generate_turn
 from protocol import INVALID_ACTION_MSG, extract_answer, information_block, parse_action, render_prompt, reward
+from rows import TurnStart
 from sampler import INDEPENDENT_TAG, UNCOUPLED_TAG, alt_key, episode_key, fresh_key, mix, stable_id, turn_key
 
 
@@ -79,7 +80,7 @@ class Episode:
     fork: TurnStart | None = None  # how turn fork.turn starts: given first tokens, a fork token's key and ban
 
     def start_for(self, turn: int):
-        """The engine's TurnStart of `turn`, or None (the turn starts at position 0 on its turn key)."""
+        """The TurnStart (rows.py) of `turn`, or None (the turn starts at position 0 on its turn key)."""
         return self.fork if self.fork is not None and self.fork.turn == turn else None
 
     def key_for(self, turn: int) -> int:
@@ -232,7 +233,7 @@ def branch(ep, turn: int, include_turn=False, key_overrides=None, fresh_seed=Non
 
     Keys: the parent's for the kept turns; key_overrides on top; with fresh_seed, every turn from the branch point on
     (turn, or turn + 1 with include_turn) not overridden uses turn_key(fresh_seed, t). fork: how its next turn
-    starts (engine.TurnStart: given first tokens, a fork token's key and ban).
+    starts (rows.TurnStart: given first tokens, a fork token's key and ban).
     """
     if not 0 <= turn < len(ep.turns):
         raise ValueError(f"branch: turn {turn} outside the episode's {len(ep.turns)} turns")
@@ -293,7 +294,7 @@ def _same_evidence(factual: Turn, alt: Turn) -> bool:
 
 
 def turn_start(ep, t: int, n: int, key=None, ban=None) -> TurnStart:
-    """engine.TurnStart of turn t with ep's first n tokens of it given (their sampled log-probs and entropies): a
+    """rows.TurnStart of turn t with ep's first n tokens of it given (their sampled log-probs and entropies): a
     token fork at n (key, ban = y_t[n]) or, with neither, a continuation from position n."""
     turn = ep.turns[t]
     if not 0 <= n < turn.end - turn.start:

@@ -116,16 +116,19 @@ def test_a_token_fork_draws_its_own_key_bans_y_k_and_then_replays_the_turn_key(w
                          ban={k: y[k]})
         assert not redraw_ok(word_model, rollout.branch(ep, t), g.ids, lambda p: (key, p), ban={k: y[k]})
         changed_later += g.ids[k + 1:] != y[k + 1:len(g.ids)]
-        assert math.isclose(g.logprobs[k], float(torch_logprob(word_model, ep, t, g.ids, k)), abs_tol=1e-4)
+        assert math.isclose(g.logprobs[k], float(torch_logprob(word_model, ep, t, g.ids, k, y[k])), abs_tol=1e-4)
     assert changed_later  # the fork moved some turn's later tokens
 
 
-def torch_logprob(model, ep, t, ids, k):
-    """log pi(ids[k] | context, ids[:k]) under the unrestricted law (what a fork token records)."""
+def torch_logprob(model, ep, t, ids, k, banned):
+    """log of ids[k]'s probability under the law a fork token is drawn from (and records): pi(. | context, ids[:k])
+    restricted to v != banned."""
     import torch
     ctx = ep.prompt_ids + ep.ids[:ep.turns[t].start]
     with torch.no_grad():
-        return torch.log_softmax(word_free_forward(model, ctx + ids[:k + 1])[len(ctx) + k - 1], -1)[ids[k]]
+        logits = word_free_forward(model, ctx + ids[:k + 1])[len(ctx) + k - 1]
+        logits[banned] = -float("inf")
+        return torch.log_softmax(logits, -1)[ids[k]]
 
 
 def test_a_ban_on_the_only_token_with_mass_is_lifted():
@@ -137,9 +140,9 @@ def test_a_ban_on_the_only_token_with_mass_is_lifted():
     assert token.tolist() == [1, 1] and torch.allclose(logprob, torch.zeros(2))
     proc = sampler.KeyedGumbelProcessor(None, 0, 1.0)
     token, logprob, entropy = proc._draw(logits.clone(), torch.tensor([5, 5]), 0, torch.tensor([1, -1]))
-    full = torch.log_softmax(logits[0], -1)
-    assert token[0] != 1 and math.isclose(float(logprob[0]), float(full[token[0]]), abs_tol=1e-6)
-    assert math.isclose(float(entropy[0]), float(-(full.exp() * full).sum()), abs_tol=1e-6)
+    rest = torch.log_softmax(torch.tensor([0.0, 1.0]), -1)  # the law restricted to tokens 0 and 2
+    assert token[0] != 1 and math.isclose(float(logprob[0]), float(rest[token[0] // 2]), abs_tol=1e-6)
+    assert math.isclose(float(entropy[0]), float(-(rest.exp() * rest).sum()), abs_tol=1e-6)
 
 
 def test_text_line_keys_follow_the_definition_in_both_paths(byte_tok):
