@@ -45,7 +45,7 @@ Deviations (README "Deviations"; tagged `# DEVIATION A<n>:` below):
      entities: its warm-start sampled EM was 0.07 in our build, so nearly every A* there is 0).
   A6. The independent counterfactual rolls a self-twin out (the textbook baseline); run_twins(coupling=False) scores
      it D = 0 like a coupled one: that rule is the separate row "independent as trainer".
-  A7-A9: the method rows' (audit_methods.py); A10: the token-fork rows' (forks.py).
+  A7-A9: the method rows' (audit_methods.py); the token-fork rows' is forks.py's F2.
 
 Launch (CPU; --threads 1 because a second thread made these tiny models ~10x slower on a shared 2-core machine):
   python audit.py --world data/tinyworld --out runs/audit          # `make audit`: N 150, M 64, R 8, K 1,2,4,8

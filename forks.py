@@ -20,12 +20,11 @@ replay keys that produced y_{>k}), which the per-token policy gradient does not 
 
 It knows no model: episodes, token texts (a tokenizer's decode, cached) and arrays in; the rollouts are rollout.py's.
 
-Deviations (README "Deviations"; tagged `# DEVIATION F<n>:` / `A10` below):
+Deviations (README "Deviations"; tagged `# DEVIATION F<n>:` here and in train_twice.py):
   F1. twin_unit = token forks one token of the turn; the paper's twin re-samples the whole turn (twin_unit = turn,
-     the default).
-  F2. The token predictor learns from the fork tokens the law drew (no 1 / r importance weights), so its p_k is
-     fitted where forks happen; r keeps a floor so every token is still drawn now and then.
-  A10. The audit's token rows re-draw the factual luck after the fork token (not after the turn, as for whole-turn
+     the default). Its token predictor learns from the fork tokens the law drew (no 1 / r importance weights), so
+     its p_k is fitted where forks happen; r keeps a floor so every token is still drawn now and then.
+  F2. The audit's token rows re-draw the factual luck after the fork token (not after the turn, as for whole-turn
      twins): only then is the mean of (1 - pi_k) D / r_t(k) the oracle's A*(s_t, y_t).
 """
 import math
@@ -173,7 +172,7 @@ def fork_rows(model, tok, retr, raw, cfg, proto, law: ForkLaw, table: TokenTable
     `same` says where it would fire, as audit.twins does for whole-turn twins). (N, R) arrays: k, r_t(k), pi_k, the
     re-rolled U, D, twin tokens, tokens of the forked turn from k, same, and the later-token agreement counts."""
     decisions, episodes, R = raw["decisions"], raw["episodes"], cfg.repeats
-    # DEVIATION A10: the luck after token k is re-drawn, so the estimate's mean is A* (given y_t whole it is not)
+    # DEVIATION F2: the luck after token k is re-drawn, so the estimate's mean is A* (given y_t whole it is not)
     ks = np.zeros((len(decisions), R), dtype=np.int64)
     for n in range(len(decisions)):
         lo, hi = table.offsets[n], table.offsets[n + 1]

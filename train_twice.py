@@ -413,7 +413,7 @@ def twin_credit(cfg: Config, run: Run, step: int, episodes, batch, proto) -> tup
         diffs[n].append(twin.diff)
     a_flat = (forks.fork_credit(diffs, branched, budget.q, law.r[row], table.pi[row]) if token else
               credit.ht_credit(diffs, branched, budget.q))
-    # DEVIATION F2: the token predictor learns from the fork tokens the law drew (no importance weights)
+    # DEVIATION F1: the token predictor learns from the fork tokens the law drew (no importance weights)
     labels = gather_list(accel, [(X[row[n]].tolist(), float(twin.diff != 0)) for (n, _), twin in zip(pairs, twins)])
     auc, brier = pred.update(np.array([x for x, _ in labels]).reshape(-1, X.shape[1]), [y for _, y in labels])
     sigma = scale_step(cfg, run, accel, diffs, branched, budget.q, a_flat)
