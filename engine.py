@@ -344,12 +344,12 @@ def _track(model, episodes, rows, proto, rule, gens) -> list:
         ahead = max(1, min(ahead, (1 << 26) // (vocab * len(active))))  # (N, V) float32 logits stay <= 256 MB
         spans = [min(ahead, len(r.track[0].ids) - r.track[1] + 1, r.budget - len(r.ids)) for r in active]
         states = torch.cat([r.track[0].hidden[r.track[1] - 1:r.track[1] - 1 + k] for r, k in zip(active, spans)])
-        drawn_at = [x for r, k in zip(active, spans) for x in  # draw j of a row: had it drawn its cache's tokens
-                 noise_ahead(r, r.track[0].ids[r.track[1]:r.track[1] + k - 1])]
+        drawn_at = [x for r, k in zip(active, spans)  # draw j of a row, had it drawn its cache's next j tokens
+                    for x in noise_ahead(r, r.track[0].ids[r.track[1]:r.track[1] + k - 1])]
         keys = torch.tensor([_signed(key) for key, _, _ in drawn_at], device=model.device)
         steps, bans = (torch.tensor(x, device=model.device) for x in list(zip(*drawn_at))[1:])
         drawn = keyed_draw(_logits(model, states), keys, steps, **_sample(proto, model.device),
-                           ban=bans if bool((bans >= 0).any()) else None)
+                           ban=bans if any(ban >= 0 for _, _, ban in drawn_at) else None)
         token, logprob, entropy = torch.stack([x.double() for x in drawn]).cpu().numpy()  # the one sync
         COUNTS["syncs"] += 1
         COUNTS["head_only"] += len(keys)

@@ -104,9 +104,10 @@ class Decoder:
     slot it shares a first step with), ban (a token its next draw may not take, -1 none: a token fork's first draw)
     and line (its text line, with `newline` given: the text-line reading of keys, where a token holding a newline
     moves the row to line_key(turn, line + 1) at position 0). Keys and positions are per row, so a row may start at
-    any position or draw its first token with a key of its own. A row stops when its token completes a stop string per the automaton tables
-    (next_state, hit: (Q * V,)), is EOS (is_eos (V,)) or reaches its budget: it freezes (draws no more, keeps writing
-    its unused next position) until the host reads the records back and frees the slot.
+    any position or draw its first token with a key of its own. A row stops when its token completes a stop string
+    per the automaton tables (next_state, hit: (Q * V,)), is EOS (is_eos (V,)) or reaches its budget: it freezes
+    (draws no more, keeps writing its unused next position) until the host reads the records back and frees the
+    slot.
     """
 
     def __init__(self, cache: SlotCache, slots: int, forward, tables, sample: dict, ring: int, graphs: bool,
