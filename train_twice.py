@@ -35,6 +35,8 @@ Launch:
   ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
       train_twice.py configs/demo.cfg                                      # 2 CPU ranks
 """
+import numerics  # noqa: F401  first: pins the CPU math libraries before numpy and torch load (numerics.py)
+
 import datetime
 import math
 import os
@@ -453,6 +455,8 @@ def setup(cfg: Config) -> Run:
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=cfg.collective_timeout_h))
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", gradient_accumulation_steps=n_micro,
                         cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
+    if accel.device.type == "cpu":  # the same figures on every x86-64 CPU (DESIGN.md section 9), or a clear refusal
+        numerics.require("this CPU training run")
     torch.manual_seed(cfg.seed)
     policy, tok = qa_eval.load_policy(cfg.model, accel.device, torch.float32)
     ref, _ = qa_eval.load_policy(cfg.model, accel.device, torch.bfloat16 if cfg.bf16 else torch.float32)
