@@ -15,7 +15,8 @@ x86-64 or has no AVX2 (an ARM laptop): there `require()` says so. It does not pi
 kernels do not call (a build with glibc's FMA variants masked is identical: RESULTS.md).
 
 Launch:
-  python numerics.py        # the pins, what is in force in a fresh process, and any problem (exit status 1)
+  python numerics.py          # the pins, what is in force in a fresh process, and any problem (exit status 1)
+  python numerics.py --probe  # and digests of the pinned kernels' results: the same on two machines, the same bits
 """
 import os
 import platform
@@ -120,6 +121,41 @@ def require(what: str) -> bool:
     raise SystemExit(f"{msg}\nSet {ALLOW}=1 to go on with numbers that other machines will not reproduce.")
 
 
+def probe() -> dict:
+    """sha256 (12 hex) of the world build's kernels in miniature: the MiniLM encoder on six passages; a 2-layer Qwen2
+    from a fixed seed: its first forward pass, its first clipped gradients, its weights after three AdamW steps; and
+    torch's sqrt and exp of a float tensor (MKL's vector math). Two machines that print the same digests computed the
+    same bits here (seconds, where a world build takes minutes; RESULTS.md runs it under emulated CPUs)."""
+    import hashlib
+    import numpy as np
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import retriever
+    texts = ['"Zorvak"\nZorvak was born in Klelon. He works for Dastocorp.', '"Klelon"\nKlelon is a city in Vostria.',
+             "Where was Zorvak born?"] * 2
+    vectors = retriever.Encoder("minilm", None, None, 256, "cpu", 256, False).encode(texts, "passage")
+    torch.manual_seed(0)
+    h, vocab, batch, length = 32, 300, 4, 96
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=h, intermediate_size=3 * h, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                                         tie_word_embeddings=True, initializer_range=0.1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    ids = torch.randint(0, vocab, (batch, length))
+    stages = {"encoder": vectors}
+    for step in range(3):
+        logits = model.model(input_ids=ids)[0][:, :-1] @ model.get_input_embeddings().weight.T  # (B, T - 1, V)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if step == 0:  # the forward pass, and the clipped gradients the first AdamW step reads
+            stages["forward"] = logits.detach().numpy()
+            stages["grads"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+        opt.step(), opt.zero_grad()
+    stages["policy"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    x = torch.linspace(1e-3, 10.0, 4096)  # torch's sqrt and exp of a float tensor: MKL's vector math on a CPU
+    stages["vml_sqrt"], stages["vml_exp"] = x.sqrt().numpy(), (-x).exp().numpy()
+    return {name: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:12] for name, a in stages.items()}
+
+
 for _note in pin():
     print(f"numerics: {_note} replaced by the pinned value", file=sys.stderr)
 
@@ -127,9 +163,12 @@ for _note in pin():
 if __name__ == "__main__":
     import argparse
     import json
-    argparse.ArgumentParser(description="Print the pins, what is in force in this fresh process, and any problem "
-                            "(exit status 1).").parse_args()
-    print(json.dumps({"pins": PINS, "in_force": state()}, indent=1))
+    parser = argparse.ArgumentParser(description="Print the pins, what is in force in this fresh process, and any "
+                                     "problem (exit status 1).")
+    parser.add_argument("--probe", action="store_true", help="also print probe(): digests of the pinned kernels' "
+                        "results, to compare two machines in seconds")
+    args = parser.parse_args()
+    print(json.dumps({"pins": PINS, "in_force": state(), **({"probe": probe()} if args.probe else {})}, indent=1))
     issues = problems()
     print("\n".join(["problems:"] + [f"  - {p}" for p in issues]) if issues else "pinned: no problem")
     raise SystemExit(1 if issues else 0)

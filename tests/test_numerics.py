@@ -16,16 +16,21 @@ def run(args, **extra):
                           timeout=120)
 
 
-def test_a_fresh_process_is_pinned_whatever_its_environment_asked_for():
-    proc = run(["numerics.py"], OMP_NUM_THREADS="2", MKL_CBWR="AVX512", ATEN_CPU_CAPABILITY="avx512",
-               FAISS_SIMD_LEVEL="NONE")
+def report_of(proc) -> dict:
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout[:proc.stdout.rindex("}") + 1])
+    return json.loads(proc.stdout[:proc.stdout.rindex("}") + 1])
+
+
+def test_a_fresh_process_is_pinned_whatever_its_environment_asked_for():
+    hostile = dict(OMP_NUM_THREADS="2", MKL_CBWR="AVX512", ATEN_CPU_CAPABILITY="avx512", FAISS_SIMD_LEVEL="NONE")
+    proc = run(["numerics.py", "--probe"], **hostile)
+    report = report_of(proc)
     assert report["in_force"] == {"cpu_capability": "AVX2", "threads": 1, "mkl_branch": "COMPATIBLE",
                                   "faiss_simd": "AVX2"}
     assert report["pins"] == numerics.PINS and proc.stdout.rstrip().endswith("pinned: no problem")
     for note in ("OMP_NUM_THREADS=2", "MKL_CBWR=AVX512", "ATEN_CPU_CAPABILITY=avx512", "FAISS_SIMD_LEVEL=NONE"):
         assert f"numerics: {note} replaced by the pinned value" in proc.stderr
+    assert report_of(run(["numerics.py", "--probe"]))["probe"] == report["probe"]  # the same bits either way
 
 
 def test_torch_loaded_first_is_refused_or_with_allow_unpinned_warned():

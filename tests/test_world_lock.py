@@ -79,6 +79,15 @@ def test_the_lock_holds_both_presets_at_both_scales():
     assert len(entries[("tiny", 0, "test")]) == 13
 
 
+def test_the_shipped_worlds_are_the_locked_ones():
+    """worlds/<preset>-<seed> (what `make world` copies) holds exactly the files of its worlds.lock entry."""
+    shipped = sorted(os.listdir(os.path.join(ROOT, "worlds")))
+    assert shipped == ["chains-0", "tiny-0"]
+    for name in shipped:
+        key, differing = world_lock.compare(os.path.join(ROOT, "worlds", name))
+        assert f"{key[0]}-{key[1]}" == name and key[2] == "full" and differing == [], (name, differing)
+
+
 def test_committed_worlds_rebuild_to_their_digests(tmp_path):
     """Both presets at test scale, each built by `world.py` in a fresh process (pinned before torch loads), in an
     environment that asks for other kernels and threads: the pins override it, and every file matches worlds.lock."""
