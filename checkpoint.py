@@ -28,6 +28,7 @@ import uuid
 import numpy as np
 import torch
 
+import lora
 import numerics
 
 
@@ -45,6 +46,8 @@ def _provenance() -> dict:
 def save(cfg, run, step: int, last: bool = False) -> str:
     """out_dir/step_NNNNNN: policy/ (HF folder, deployable), trainer/ (accelerate state: weights, optimizer, RNG),
     run.json (config, step, predictor and sigma_hat, provenance); the run's last one also policy_bf16/ (export_bf16).
+    With LoRA, policy/ is the adapter (PEFT folder), trainer/ the adapters' weights and AdamW state only, and the last
+    one also holds policy_merged/ (the merged policy, float32, plain HF folder; policy_bf16/ is that in bf16).
     Written to a temp dir, then renamed: atomic. Only then are old checkpoints pruned (prune_checkpoints)."""
     accel = run.accel
     final = os.path.join(cfg.out_dir, f"step_{step:06d}")
@@ -54,7 +57,8 @@ def save(cfg, run, step: int, last: bool = False) -> str:
     accel.wait_for_everyone()
     accel.save_state(os.path.join(tmp, "trainer"))
     if accel.is_main_process:
-        accel.unwrap_model(run.policy).save_pretrained(os.path.join(tmp, "policy"))
+        policy = accel.unwrap_model(run.policy)
+        (policy if run.adapter is None else run.adapter).save_pretrained(os.path.join(tmp, "policy"))
         run.tok.save_pretrained(os.path.join(tmp, "policy"))
         state = {"config": dataclasses.asdict(cfg), "step": step, "predictor": run.predictor.state_dict(),
                  "method": run.method.state_dict(), "tokens": run.tokens,
@@ -64,7 +68,11 @@ def save(cfg, run, step: int, last: bool = False) -> str:
         if hasattr(run.method, "save"):  # learned estimators: weights and optimizer state (learned.py)
             run.method.save(tmp)
         if last:
-            export_bf16(accel.unwrap_model(run.policy), run.tok, os.path.join(tmp, "policy_bf16"))
+            if run.adapter is not None:  # W + (alpha / r) B A as a plain model, loadable without peft
+                policy = lora.merged_model(policy)
+                policy.save_pretrained(os.path.join(tmp, "policy_merged"))
+                run.tok.save_pretrained(os.path.join(tmp, "policy_merged"))
+            export_bf16(policy, run.tok, os.path.join(tmp, "policy_bf16"))
         swap_in(tmp, final)
         prune_checkpoints(cfg.out_dir, cfg.keep_checkpoints, step, last)  # after the swap: the new one is complete
     accel.wait_for_everyone()
@@ -162,7 +170,9 @@ def load(cfg, run) -> int:
     if cfg.steps < state["step"]:
         raise ValueError(f"{cfg.resume}: the checkpoint is at step {state['step']}, past --steps={cfg.steps}; "
                          f"set --steps >= {state['step']}")
-    run.accel.load_state(os.path.join(cfg.resume, "trainer"))
+    if run.adapter is not None:  # trainer/ holds the adapters only: loaded non-strictly, so checked first
+        lora.check_trainer(os.path.join(cfg.resume, "trainer"), run.policy)
+    run.accel.load_state(os.path.join(cfg.resume, "trainer"), strict=run.adapter is None)
     run.predictor.load_state_dict(state["predictor"])
     run.sigma_hat.load_state_dict(state["sigma_hat"])
     run.method.load_state_dict(state["method"])

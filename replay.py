@@ -28,6 +28,7 @@ import baselines
 import checkpoint
 import config
 import eval as qa_eval
+import lora
 import methods
 import protocol
 import rollout
@@ -132,8 +133,11 @@ def replay(opts: Replay) -> int:
                          f"{min(trained, default='-')}..{max(trained, default='-')})")
     row = logged(opts.run, opts.step, uid, opts.line)
     world = opts.world or (row or {}).get("world", 1)
-    policy, tok = qa_eval.load_policy(path, "cuda" if torch.cuda.is_available() else "cpu",
-                                      torch.float32 if opts.step == 0 else None)  # as setup() / as saved
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.lora_rank:  # the base as setup() loads it, with step_N's adapter (step 0: a fresh one, B = 0)
+        policy, tok = lora.load(cfg, path if opts.step else "", device)
+    else:
+        policy, tok = qa_eval.load_policy(path, device, torch.float32 if opts.step == 0 else None)  # setup's / saved
     retriever = qa_eval.load_retriever(cfg.index, cfg.retriever_url)
     episodes, twins = regenerate(cfg, policy, tok, retriever, qa_eval.load_qa(cfg.train_data), opts.step, uid, world,
                                  state["predictor"])

@@ -1,8 +1,9 @@
 """Search-R1 compatible retrieval server (Search-R1's retrieval_server.py) over retriever.py, and its load bench.
 
 The server knows HTTP, request checks, rounds of queries and their threads; it knows nothing of encoders, FAISS or
-the corpus: every search is `DenseRetriever.search_batch` from retriever.py, so an answer over HTTP equals an
-in-process search bit for bit (retriever.py, Determinism (1) and (2)). retriever.py never imports this file.
+the corpus: every search is `DenseRetriever.search_batch` from retriever.py (a dense folder, or a BM25 one: bm25.py),
+so an answer over HTTP equals an in-process search bit for bit (retriever.py, Determinism (1) and (2)). retriever.py
+never imports this file.
 
 Contract (DESIGN.md sections 3, 10 and 12; Search-R1 compatible)
 - POST /retrieve {"queries": [str, ...], "topk": k, "return_scores": bool}
@@ -451,7 +452,7 @@ class RetrievalServer:
                  max_queries: int = MAX_QUERIES, head_timeout: float = HEAD_TIMEOUT,
                  body_timeout: float = BODY_TIMEOUT, workers=None, max_query_bytes: int = MAX_QUERY_BYTES,
                  max_connections=None):
-        workers = default_workers(retriever.encoder.device) if workers is None else workers
+        workers = default_workers(torch.device(retriever.encoder.device)) if workers is None else workers
         self.batcher = Batcher(retriever, workers=workers, tokenize=retriever.encoder.query_features)
         self.retriever = retriever
         budget = descriptor_budget()  # the index and the encoder are loaded: their descriptors are counted
@@ -706,8 +707,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ranges |= {name: (1, None, "") for name in ("max_queries", "max_query_bytes", "max_connections", "clients",
                                                  "requests", "queries", "big", "threads")}
     check_flags(parser, args, ranges)
-    if args.command == "serve" and "bm25" in args.retriever_name.lower():
-        parser.error("--retriever_name bm25: only dense retrievers are served here")
+    if args.command == "serve" and "bm25" in args.retriever_name.lower() and not os.path.isfile(
+            os.path.join(args.index, "meta.json")):  # a pyserini (Lucene) index: Java's format, not read here
+        parser.error(f"--retriever_name bm25: {args.index} is not an index folder of retriever.py; build a BM25 one "
+                     "with `python retriever.py build --encoder bm25 --corpus CORPUS --out DIR` (bm25.py)")
     if args.command == "serve" and os.path.isfile(args.index) and not args.corpus:
         parser.error(f"--index_path {args.index} is an index file: give its corpus with --corpus_path")
     return args

@@ -30,6 +30,7 @@ Launch:
   make demo                                            # CPU, built-in tiny world, minutes
   python train_twice.py --help                         # every option, its default and meaning
   python train_twice.py configs/qwen2.5-3b.cfg --steps=5                   # one GPU, real model
+  python train_twice.py configs/demo.cfg --lora_rank=8 --lora_alpha=16 --lr=2e-3   # LoRA adapters (lora.py)
   accelerate launch --config_file configs/accelerate_ddp.yaml train_twice.py \
       configs/qwen2.5-3b.cfg                                               # 8 GPUs
   ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
@@ -53,6 +54,7 @@ import config
 import credit
 import eval as qa_eval
 import logprobs
+import lora
 import methods
 import protocol
 import report
@@ -131,6 +133,11 @@ class Config:
     bf16: bool = False              # bf16 autocast (GPU)
     gradient_checkpointing: bool = False  # trade compute for memory (real models)
     collective_timeout_h: float = 6.0  # hours a collective may wait for a rank before the run fails (torch: 10 min)
+    # --- lora (DESIGN 6, lora.py): train adapters W' = W + (alpha / r) B A instead of every weight ---
+    lora_rank: int = 0              # r, rank of the adapters (lora.py); 0 = off: full fine-tuning
+    lora_alpha: float = 32.0        # alpha: the adapters' update is scaled by alpha / r (dimensionless)
+    lora_dropout: float = 0.0       # dropout probability on the adapters' input; only 0 (lora.checks says why)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules given adapters (Qwen2's)
     # --- run ---
     seed: int = 0                   # run seed: prompt order, every sampling key, branch draws
     eval_every: int = 50            # steps between greedy evaluations (0 = only at the end)
@@ -171,7 +178,7 @@ class Config:
                  ("omega", math.isfinite(self.omega), "finite"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
                  # below 1e-3, softmax(logits / T) is one-hot in float32: log-probs and entropies lose meaning
                  ("temperature", self.temperature >= 1e-3, ">= 0.001 (greedy evaluation is eval.py's)")]
-                + self.baseline_checks())
+                + self.baseline_checks() + lora.checks(self, methods.LEARNED))
 
     def baseline_checks(self) -> list:
         at_least = {"vine_k": 1, "hgpo_k": 0, "arpo_beam": 1, "tree_m": 1, "tree_l": 1, "estimator_lr_scale": 0,
@@ -190,8 +197,8 @@ def parse_config(argv) -> Config:  # preset files, then --key=value overrides (c
 class Run:
     """The objects a run holds, built once by main() and passed to every step."""
     accel: object                   # accelerate.Accelerator
-    policy: object                  # the trained model (wrapped by accelerate)
-    ref: object                     # frozen reference for the KL term
+    policy: object                  # the trained model (wrapped by accelerate); with LoRA: the base + peft's layers
+    ref: object                     # frozen reference for the KL term (None with LoRA: lora.reference)
     tok: object                     # tokenizer
     retriever: object               # DenseRetriever or RemoteRetriever
     opt: object                     # AdamW
@@ -203,6 +210,7 @@ class Run:
     weight_norm0: float = 0.0       # the initial weight norm (divergence check)
     tokens: int = 0                 # generated tokens so far, factual + aux (token_budget)
     episode_log: list = None        # this step's logged episodes (checkpoint.episode_rows), rank 0's
+    adapter: object = None          # peft.PeftModel around the policy when lora_rank > 0 (lora.attach), else None
 
 
 def gather_list(accel, items: list) -> list:
@@ -279,8 +287,10 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0}
 
 
-def weight_norm(accel, model) -> float:  # float32 norms per tensor: no float64 copy of the weights
-    norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float32) for p in accel.unwrap_model(model).parameters()]
+def weight_norm(accel, model) -> float:
+    """Norm of the trained weights (LoRA: the adapters'), float32 norms per tensor: no float64 copy of the weights."""
+    norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float32) for p in accel.unwrap_model(model).parameters()
+             if p.requires_grad]
     return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 
@@ -313,8 +323,9 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         adv = torch.tensor(adv[:, 1:], dtype=torch.float32, device=accel.device)
         old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True,
                                               cfg.max_context)
-        ref_lp, _ = logprobs.batch_logprobs(run.ref, batch, cfg.temperature, cfg.micro_batch_size,
-                                            max_context=cfg.max_context)
+        with lora.reference(run) as ref:  # LoRA: the policy with its adapters disabled
+            ref_lp, _ = logprobs.batch_logprobs(ref, batch, cfg.temperature, cfg.micro_batch_size,
+                                                max_context=cfg.max_context)
 
     # 7. PPO-clip update with the k3 KL to the reference.
     run.policy.train()
@@ -457,19 +468,29 @@ def setup(cfg: Config) -> Run:
                         cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
     if accel.device.type == "cpu":  # the same figures on every x86-64 CPU (DESIGN.md section 9), or a clear refusal
         numerics.require("this CPU training run")
+    if cfg.lora_rank and accel.distributed_type == "DEEPSPEED":  # its save_state writes the whole model
+        raise ValueError("lora_rank > 0 runs under DDP (configs/accelerate_ddp.yaml), not DeepSpeed: the adapters' "
+                         "gradients and AdamW state are small enough to hold whole on each GPU (python lora.py memory)")
     torch.manual_seed(cfg.seed)
-    policy, tok = qa_eval.load_policy(cfg.model, accel.device, torch.float32)
-    ref, _ = qa_eval.load_policy(cfg.model, accel.device, torch.bfloat16 if cfg.bf16 else torch.float32)
-    ref.requires_grad_(False)
-    if cfg.gradient_checkpointing:
+    policy, tok = qa_eval.load_policy(cfg.model, accel.device, lora.base_dtype(cfg))  # fp32; LoRA: bf16 base if bf16
+    if cfg.gradient_checkpointing:  # also makes the embeddings' output require grad: LoRA's gradients flow back
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    adapter, ref = None, None
+    # DEVIATION T2: lora_rank > 0 trains LoRA adapters on a frozen (bf16 with bf16 on) base, not every weight
+    if cfg.lora_rank:  # the base frozen, peft's layers in it; the reference is the base itself (lora.reference)
+        adapter = lora.attach(policy, cfg)
+        accel.register_save_state_pre_hook(lora.adapter_only)  # trainer/ holds the adapters, not the base
+    else:
+        ref, _ = qa_eval.load_policy(cfg.model, accel.device, torch.bfloat16 if cfg.bf16 else torch.float32)
+        ref.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay)
     policy, opt = accel.prepare(policy, opt)
     rows = qa_eval.load_qa(cfg.train_data)
     qa_eval.refuse_long_prompts(rows, tok, cfg.max_context, cfg.max_new_tokens, cfg.train_data)  # before any rollout
     return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt,
                methods.make(cfg), credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay), rows,
-               n_micro, weight_norm(accel, policy))
+               n_micro, weight_norm(accel, policy), adapter=adapter)
 
 
 def main(cfg: Config):

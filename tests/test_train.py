@@ -124,6 +124,30 @@ def test_nonfinite_loss_fails_loudly():
     assert not torch.isfinite(loss.sum())  # ppo_update turns this into FloatingPointError (checked every micro-batch)
 
 
+def test_a_run_on_a_bm25_index_gets_its_hits(tmp_path, monkeypatch):
+    """train_twice --index DIR with a BM25 folder (bm25.py): every search of the logged episodes (all of them)
+    retrieved exactly what that folder returns for its query, which the world's dense index does not. The session's
+    test-scale world has a policy of 12 BC steps that never writes a <search>; the same world with 150 (4 s more)
+    searches in about one turn in five."""
+    import protocol
+    import retriever
+    import world
+    import world_tiny
+    monkeypatch.setitem(world_tiny.SCALES, "test", dict(world_tiny.SCALES["test"], bc_steps=150))
+    tiny, index, out = str(tmp_path / "world"), str(tmp_path / "bm25"), str(tmp_path / "run")
+    world.build_world(tiny, seed=0, scale="test")
+    retriever.build_index(os.path.join(tiny, "corpus.jsonl"), "bm25", index)
+    tt.main(tiny_cfg(tiny, out, "--steps=2", "--eval_every=0", f"--index={index}", "--log_episodes=12"))
+    turns = [t for line in open(os.path.join(out, "episodes.jsonl")) for t in json.loads(line)["turns"]]
+    searches = [(protocol.parse_action(t["text"])[1][:protocol.Protocol().max_query_chars], t["doc_ids"])
+                for t in turns if t["doc_ids"]]
+    assert len(searches) >= 5
+    bm25, dense = retriever.DenseRetriever(index), retriever.DenseRetriever(os.path.join(tiny, "index"))
+    queries = [query for query, _ in searches]
+    assert [ids for _, ids in searches] == [[d["id"] for d in docs] for docs in bm25.search(queries, 3)]
+    assert [ids for _, ids in searches] != [[d["id"] for d in docs] for docs in dense.search(queries, 3)]
+
+
 def cpu_launch(script, out, tiny_world, *launch, flags=("--steps=2", "--eval_every=0")) -> tuple:
     """(command, environment) of `accelerate launch LAUNCH... SCRIPT` of a tiny run on CPU processes (gloo)."""
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
