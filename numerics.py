@@ -1,5 +1,7 @@
-"""Pinned CPU numerics: the math libraries' settings under which a world build or a CPU run computes the same bits on
-every x86-64 CPU with AVX2 (DESIGN.md section 9; the experiment behind each setting: RESULTS.md "Pinned numerics").
+"""Pinned CPU numerics: the math libraries' settings meant to make a world build or a CPU run compute the same bits
+on every x86-64 CPU with AVX2 (DESIGN.md section 9; the experiment behind each setting: RESULTS.md "Pinned numerics").
+One kernel is not pinned by them: torch's sqrt, exp, log and tanh of a float tensor go to MKL's vector math, whose
+sqrt gave other bits on emulated CPUs; that is why the built worlds are committed (worlds/).
 
 torch's own kernels (ATen), MKL (its matmuls), oneDNN (the encoder's GELU), numpy and FAISS each pick their code by
 the CPU they find: AVX-512 on one machine, AVX2 on another, MKL's non-Intel paths on an AMD CPU, and a second thread
