@@ -63,12 +63,11 @@ def test_lock_round_trip_and_verdicts(tmp_path):
     assert set(world_lock.read_lock(lock)) == {("tiny", 0, "test"), ("chains", 3, "full")}
 
 
-@pytest.mark.parametrize("line, why", [("tiny 0 test corpus.jsonl", "expected"), ("tiny x test a " + "0" * 64, "expected"),
-                                       ("tiny 0 test a " + "0" * 63, "expected")])
-def test_a_bad_lock_line_is_named(tmp_path, line, why):
+@pytest.mark.parametrize("line", ["tiny 0 test corpus.jsonl", "tiny x test a " + "0" * 64, "tiny 0 test a " + "0" * 63])
+def test_a_bad_lock_line_is_named(tmp_path, line):
     lock = tmp_path / "worlds.lock"
     lock.write_text("# comment\n\n" + line + "\n")
-    with pytest.raises(ValueError, match=f"worlds.lock, line 3: {why}"):
+    with pytest.raises(ValueError, match="worlds.lock, line 3: expected 'preset seed scale file sha256'"):
         world_lock.read_lock(str(lock))
 
 
