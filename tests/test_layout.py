@@ -11,8 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "*.py")))
-ORDER = ["config", "retriever", "protocol", "sampler", "engine", "credit", "logprobs", "rollout", "eval", "baselines",
-         "learned", "methods", "report", "lora", "checkpoint", "train_twice", "audit"]
+ORDER = ["config", "retriever", "protocol", "sampler", "stops", "kvcache", "engine", "credit", "logprobs", "rollout",
+         "eval", "baselines", "learned", "methods", "report", "lora", "checkpoint", "train_twice", "audit"]
 
 
 def imports_of(module: str) -> set:
