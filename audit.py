@@ -56,6 +56,8 @@ Launch (CPU; --threads 1 because a second thread made these tiny models ~10x slo
   python audit.py --rescore runs/audit    # recompute the metrics of an earlier audit from its audit.json
 Tests: `python -m pytest -q tests/test_audit.py`.
 """
+import numerics  # noqa: F401  first: pins the CPU math libraries before numpy and torch load (numerics.py)
+
 import dataclasses
 import json
 import math
@@ -575,6 +577,7 @@ def main(cfg: Config) -> dict:
         return rescore(cfg.rescore)
     if cfg.threads:  # tiny models on a shared 2-core CPU: a second thread made generation ~10x slower (measured)
         torch.set_num_threads(cfg.threads)
+    numerics.require("this audit")
     t0 = time.time()
     model, tok = qa_eval.load_policy(cfg.model)
     res, ests = run_audit(model, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url),

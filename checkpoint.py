@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import lora
+import numerics
 
 
 def _provenance() -> dict:
@@ -39,7 +40,7 @@ def _provenance() -> dict:
     except OSError:
         commit = ""
     return {"git_commit": commit, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], "numerics": numerics.describe()}
 
 
 def save(cfg, run, step: int, last: bool = False) -> str:

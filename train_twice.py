@@ -40,6 +40,8 @@ Launch:
   ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
       train_twice.py configs/demo.cfg                                      # 2 CPU ranks
 """
+import numerics  # noqa: F401  first: pins the CPU math libraries before numpy and torch load (numerics.py)
+
 import datetime
 import math
 import os
@@ -517,6 +519,8 @@ def setup(cfg: Config) -> Run:
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=cfg.collective_timeout_h))
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", gradient_accumulation_steps=n_micro,
                         cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
+    if accel.device.type == "cpu":  # the same figures on every x86-64 CPU (DESIGN.md section 9), or a clear refusal
+        numerics.require("this CPU training run")
     if cfg.lora_rank and accel.distributed_type == "DEEPSPEED":  # its save_state writes the whole model
         raise ValueError("lora_rank > 0 runs under DDP (configs/accelerate_ddp.yaml), not DeepSpeed: the adapters' "
                          "gradients and AdamW state are small enough to hold whole on each GPU (python lora.py memory)")

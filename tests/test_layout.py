@@ -52,7 +52,7 @@ def test_the_method_chain_imports_one_way():
 
 
 @pytest.mark.parametrize("script", ["train_twice.py", "audit.py", "eval.py", "report.py", "world.py", "data.py",
-                                    "retriever.py", "server.py", "lora.py"])
+                                    "retriever.py", "server.py", "lora.py", "numerics.py"])
 def test_every_script_answers_help(script):
     for flag in ("--help", "-h"):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, script), flag], capture_output=True, text=True,
