@@ -45,12 +45,23 @@ test-slow: install
 	$(qPY) -m pytest -q -m slow tests
 
 # A built-in world: corpus, questions, tokenizer, index and warm-start policy (DESIGN.md section 9). PRESET=tiny (the
-# demo's) or chains (1- to 4-hop chains: make world WORLD=data/chains PRESET=chains, ~10 min on one thread).
+# demo's) or chains (1- to 4-hop chains: make world WORLD=data/chains PRESET=chains, ~10 min on one thread). world.py
+# builds on pinned numerics (numerics.py) and compares the world with worlds.lock; so does every target below that uses
+# a world (VERIFY): a world that differs is not the one RESULTS.md measured, and the target fails unless
+# ALLOW_UNPINNED=1.
+# The committed worlds (worlds/<preset>-<seed>, the pinned builds that worlds.lock lists) are copied, not rebuilt: one
+# kernel of the build (MKL's vector math behind torch's sqrt, exp, log and tanh on a CPU) is not shown to give the same
+# bits on every CPU (RESULTS.md "Pinned numerics"). REBUILD=1 builds from source instead (and compares with the lock).
 PRESET  ?= tiny
+export ALLOW_UNPINNED ?= 0
+VERIFY   = $(qPY) world.py --verify
+SHIPPED  = worlds/$(PRESET)-$(SEED)
 world: install $(tWORLD)/world.json
+	$(VERIFY) $(qWORLD)
 
 $(tWORLD)/world.json:
-	$(qPY) world.py --out $(qWORLD) --seed $(SEED) --preset $(PRESET)
+	if [ -z "$(REBUILD)" ] && [ -f $(SHIPPED)/world.json ]; then mkdir -p $(qWORLD) && cp -R $(SHIPPED)/. $(qWORLD)/; \
+	else $(qPY) world.py --out $(qWORLD) --seed $(SEED) --preset $(PRESET); fi
 
 # Rebuild only the tiny world's dense index (e.g. after editing the corpus).
 index: install
@@ -60,6 +71,7 @@ index: install
 # greedy evaluation of the test split before (step 0), every 5 steps and after; prints the before/after table and the
 # twin statistics; writes runs/demo/twice/{metrics.jsonl,learning_curve.png,step_*}.
 demo: install $(tWORLD)/world.json
+	$(VERIFY) $(qWORLD)
 	$(qPY) train_twice.py configs/demo.cfg --world=$(qWORLD) --seed=$(SEED) --overwrite
 
 # GRPO (omega = 0) vs TWICE on the tiny world, same seeds and settings, at a learning rate where credit matters;
@@ -68,6 +80,7 @@ demo: install $(tWORLD)/world.json
 SEEDS ?= 0 1 2
 COMPARE ?= runs/demo-compare
 demo-compare: install $(tWORLD)/world.json
+	$(VERIFY) $(qWORLD)
 	for s in $(SEEDS); do for o in 0 1; do \
 	  OMP_NUM_THREADS=1 $(qPY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(qWORLD) --seed=$$s \
 	    --omega=$$o --out_dir=$(call q,$(COMPARE))/omega$$o-seed$$s --overwrite || exit 1; done; done
@@ -87,6 +100,7 @@ CMP_RUNS  = $(foreach s,$(SEEDS),$(foreach m,$(METHODS),$(call q,$(CMP)/$(m)-see
 # The sh -c script reads the paths from its environment (py, cmp, world): pasted inside its single quotes, a quote in
 # a path would end the script.
 compare-methods: install
+	$(VERIFY) $(if $(filter command line,$(origin WORLD)),$(qWORLD),data/chains)
 	mkdir -p $(call q,$(CMP))
 	for s in $(SEEDS); do for m in $(METHODS); do \
 	  grep -qs '"final": true' $(call q,$(CMP))/$$m-seed$$s/metrics.jsonl || echo "$$m $$s"; done; done | \
@@ -104,6 +118,7 @@ compare-methods: install
 AUDIT_OUT ?= $(if $(filter data/tinyworld,$(WORLD)),runs/audit,runs/audit-$(subst ^_^,$(space),$(notdir \
              $(subst $(space),^_^,$(WORLD)))))
 audit: install $(tWORLD)/world.json
+	$(VERIFY) $(qWORLD)
 	$(qPY) audit.py --world $(qWORLD) --out $(call q,$(AUDIT_OUT))
 
 # Greedy exact match of a policy: make eval MODEL=runs/demo/twice/step_000030/policy

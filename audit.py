@@ -21,16 +21,18 @@ Protocol (all rollouts through rollout.py's batched functions, many decisions x 
                     "as trainer": run_twins(coupling=False)'s rule, self-twin and shortcut scored D = 0
        GRPO         (U_r - mean) / (std + eps) over U_r and G-1 fresh lines of the prompt, for every turn alike
        VinePPO(K)   A_t = V_K(s_{t+1}) - V_K(s_t), V_K = mean of K rollouts from the boundary, V(s_T) = U
-       methods      GiGPO, HGPO, IGPO, SPA-RL, AgentPRM (--method_rows): the method's own turn_advantages (baselines.py,
-                    knobs of the trainer preset --train_config) on groups [F_r, the same G-1 fresh lines], a call per
-                    (turn t, repeat r) holding each prompt once; the estimate is F_r's advantage at turn t (what a
-                    method samples from F_r is keyed by fresh_key(key, METHOD_TAG, t, r)). SPA-RL's and AgentPRM's
-                    estimators first train --learned_steps trainer steps on other questions (A7)
+       methods      GiGPO, HGPO, IGPO, SPA-RL, AgentPRM (--method_rows): the method's own turn_advantages on groups
+                    [F_r, the same G-1 fresh lines] (audit_methods.py)
+       token forks  --token_forks (forks.py): per repeat a fork token k ~ r_t of turn t, the factual luck re-drawn
+                    after token k (F'_r), a twin forked at k on F'_r's keys; estimate (1 - pi_k) D / r_t(k), whose
+                    mean is A* (sum over k of Q(s_k, y_k) - V(s_k)); a pass with the prior fork law, a second with a
+                    token predictor cross-fitted on the first, and that one budgeted as above
   4. Per estimator: wrong-sign rate (estimate and A* strictly opposite) over decisions with |A*| > threshold;
      Pearson correlation with A* of single estimates (pooled over repeats) and of the repeat mean; mean variance
      over repeats; auxiliary tokens per decision (sampled beyond the factual episode; GRPO, GiGPO, HGPO, IGPO, SPA-RL
      0; AgentPRM its continuations, A9; forward/backward passes are not generated tokens). Twins: rho = pooled
-     within-decision correlation of U_r and U'_r, Var(D_coupled) / Var(D_independent) predicted and measured.
+     within-decision correlation of U_r and U'_r, Var(D_coupled) / Var(D_independent) predicted and measured, and
+     the token agreement after the decision (equal tokens at equal positions of the later turns, --line_keys).
 
 Deviations (README "Deviations"; tagged `# DEVIATION A<n>:` below):
   A1. VinePPO's K in --vine_k are nested: the first K of max(K) rollouts per boundary and repeat (each an exact
@@ -43,13 +45,7 @@ Deviations (README "Deviations"; tagged `# DEVIATION A<n>:` below):
      entities: its warm-start sampled EM was 0.07 in our build, so nearly every A* there is 0).
   A6. The independent counterfactual rolls a self-twin out (the textbook baseline); run_twins(coupling=False) scores
      it D = 0 like a coupled one: that rule is the separate row "independent as trainer".
-  A7. SPA-RL's and AgentPRM's estimators are trained first by --learned_steps trainer steps of the method (its rollout
-     and turn_advantages) on the warm-start policy's episodes of train questions not audited (in training they follow
-     a changing policy); every audit call restarts from that state and takes the trainer's online step on its batch.
-  A8. A method row's batch is the groups of the decisions at one turn index in one repeat (the trainer's: a step's
-     prompts), so batch-level pooling (GiGPO anchors, AgentPRM targets) never mixes repeats or decisions of a prompt.
-  A9. A method row's aux tokens per decision are its call's aux_tokens over the call's decisions (every turn of every
-     episode), the trainer's cost per decision; VinePPO's rows count the decision's own boundary rollouts.
+  A7-A9: the method rows' (audit_methods.py); the token-fork rows' is forks.py's F2.
 
 Launch (CPU; --threads 1 because a second thread made these tiny models ~10x slower on a shared 2-core machine):
   python audit.py --world data/tinyworld --out runs/audit          # `make audit`: N 150, M 64, R 8, K 1,2,4,8
@@ -60,24 +56,25 @@ Launch (CPU; --threads 1 because a second thread made these tiny models ~10x slo
   python audit.py --rescore runs/audit    # recompute the metrics of an earlier audit from its audit.json
 Tests: `python -m pytest -q tests/test_audit.py`.
 """
-import copy
+import numerics  # noqa: F401  first: pins the CPU math libraries before numpy and torch load (numerics.py)
+
 import dataclasses
 import json
 import math
 import os
 import time
-import types
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+import audit_methods
 import baselines
 import config
 import credit
 import eval as qa_eval
-import methods
+import forks
 import protocol
 import report
 import rollout
@@ -106,6 +103,9 @@ class Config:
     train_config: str = ""          # trainer preset of the method rows' knobs ('' -> the world's, world_preset)
     learned_steps: int = 30         # spa_rl, agentprm: trainer steps training the estimator first (A7; demo: 30)
     group_size: int = TRAIN.group_size  # G, GRPO group: the factual line + G-1 fresh lines
+    token_forks: bool = False       # also the token-fork rows (forks.py): prior law, learnt law, budgeted
+    fork_floor: float = TRAIN.fork_floor  # token forks: share of the fork law spread evenly over a turn's tokens
+    line_keys: str = TRAIN.line_keys  # protocol: "group" or "text" reading of "line" in the keys (DESIGN 5)
     twin_budget: float = TRAIN.twin_budget  # budgeted TWICE: expected twin tokens / factual tokens
     q_min: float = TRAIN.q_min      # budgeted TWICE: floor of the branch probability
     max_turns: int = TRAIN.max_turns  # protocol: searches per episode, then one final turn
@@ -124,7 +124,7 @@ class Config:
         self.model = self.model or os.path.join(self.world, "policy")
         self.data = self.data or os.path.join(self.world, "train.jsonl")  # DEVIATION A5: what training credits
         self.index = self.index or ("" if self.retriever_url else os.path.join(self.world, "index"))
-        self.train_config = self.train_config or world_preset(self.world)
+        self.train_config = self.train_config or audit_methods.world_preset(self.world)
 
     def checks(self):
         return [("oracle_rollouts", self.oracle_rollouts >= 2, ">= 2"), ("repeats", self.repeats >= 2, ">= 2"),
@@ -134,10 +134,11 @@ class Config:
                 ("q_min", 0 < self.q_min <= 1, "in (0, 1]"), ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
                 ("temperature", self.temperature > 0, "> 0"), ("gen_batch_size", self.gen_batch_size >= 1, ">= 1"),
                 ("chunk", self.chunk >= 1, ">= 1"), ("threads", self.threads >= 0, ">= 0"),
-                ("method_rows", set(method_names(self.method_rows)) <= set(METHOD_ROWS),
-                 f"comma-separated names among {', '.join(METHOD_ROWS)}"),
+                ("method_rows", set(audit_methods.method_names(self.method_rows)) <= set(audit_methods.METHOD_ROWS),
+                 f"comma-separated names among {', '.join(audit_methods.METHOD_ROWS)}"),
                 ("train_config", not self.train_config or os.path.isfile(self.train_config), "a preset file or ''"),
-                ("learned_steps", self.learned_steps >= 0, ">= 0")]
+                ("learned_steps", self.learned_steps >= 0, ">= 0"), ("fork_floor", 0 < self.fork_floor <= 1,
+                 "in (0, 1]"), ("line_keys", self.line_keys in ("group", "text"), "'group' or 'text'")]
 
 
 def _valid_ks(text: str) -> bool:
@@ -233,12 +234,13 @@ def twins(model, tok, retr, facts, decisions, cfg, proto, coupling) -> dict:
         for (f, t, _), (twin, outcome, tokens) in zip(chunk, res):
             alt, fact = twin.turns[t], f.turns[t]
             same = twin.ids[alt.start:alt.end] == f.ids[fact.start:fact.end]
-            out.append((outcome, tokens, alt.end - alt.start, same, not same and rollout._same_evidence(fact, alt)))
+            out.append((outcome, tokens, alt.end - alt.start, same, not same and rollout._same_evidence(fact, alt),
+                        *forks.later_agreement(f, twin, t)))
         return out
     x = np.array(batched(run, reqs, cfg, "twins" if coupling else "independent"), dtype=np.float64)
-    x = x.reshape(len(decisions), cfg.repeats, 5)
+    x = x.reshape(len(decisions), cfg.repeats, 7)
     return {"u": x[..., 0], "tokens": x[..., 1], "alt_tokens": x[..., 2], "self": x[..., 3] > 0,
-            "same_evidence": x[..., 4] > 0}
+            "same_evidence": x[..., 4] > 0, "agree": x[..., 5], "compared": x[..., 6]}
 
 
 def group_lines(model, tok, retr, chosen, cfg, proto) -> list:
@@ -274,139 +276,16 @@ def rollouts(model, tok, retr, rows, cfg) -> dict:
              ("independent", lambda: twins(model, tok, retr, raw["facts"], decisions, cfg, proto, False)),
              ("line_eps", lambda: group_lines(model, tok, retr, chosen, cfg, proto)),
              ("vine", lambda: vine_values(model, tok, retr, episodes, decisions, cfg, proto, max(vine_ks(cfg)))),
-             ("methods", lambda: method_rows(model, tok, retr, rows, raw, cfg, proto))]
+             ("methods", lambda: audit_methods.method_rows(model, tok, retr, rows, raw, cfg, proto))]
     for name, fn in steps:
         t = time.time()
         raw[name] = fn()
         raw["times"][f"{name}_s"] = time.time() - t
     raw["lines"] = line_outcomes(raw["line_eps"])  # GRPO's and the budget rule's group outcomes
+    t = time.time()
+    raw["forks"] = forks.audit_rows(model, tok, retr, raw, cfg, proto, batched) if cfg.token_forks else None
+    raw["times"]["forks_s"] = time.time() - t
     return raw
-
-
-# --- method estimators: the method's own turn_advantages on groups [F_r, G-1 fresh lines of the prompt] ---
-METHOD_ROWS = {"gigpo": "GiGPO", "hgpo": "HGPO", "igpo": "IGPO", "spa_rl": "SPA-RL", "agentprm": "AgentPRM"}
-
-
-def method_names(text: str) -> list:
-    return [m.strip() for m in str(text).split(",") if m.strip()]
-
-
-def world_preset(world: str) -> str:
-    """The trainer preset a built-in world is trained with (configs/chains.cfg, configs/demo.cfg; world.json's
-    preset), '' when the folder holds no world.json (then train_twice.Config's defaults)."""
-    path = os.path.join(world, "world.json")
-    if not os.path.isfile(path):
-        return ""
-    with open(path, encoding="utf-8") as f:
-        preset = json.load(f).get("stats", {}).get("preset", "tiny")
-    return os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
-                                        "chains.cfg" if preset == "chains" else "demo.cfg"))
-
-
-class OneProcess:
-    """What a method (baselines.py, learned.py) reads of accelerate.Accelerator, for one process: device,
-    num_processes, unwrap_model."""
-    num_processes = 1
-
-    def __init__(self, device):
-        self.device = device
-
-    @staticmethod
-    def unwrap_model(model):
-        return model
-
-
-def method_run(model, tok, retr):
-    """The members of train_twice.Run that a Method's rollout / turn_advantages / estimator read."""
-    return types.SimpleNamespace(accel=OneProcess(next(model.parameters()).device), policy=model, tok=tok,
-                                 retriever=retr)
-
-
-def method_config(cfg) -> "train_twice.Config":
-    """The trainer's Config from cfg.train_config (its knobs: omega, step_gamma, gamma, lr, estimator_lr_scale,
-    micro_batch_size, prompts_per_step, ...) with the audit's G and seed; the protocol is the audit's `proto`."""
-    base = train_twice.parse_config([cfg.train_config] if cfg.train_config else [])
-    return dataclasses.replace(base, group_size=cfg.group_size, seed=cfg.seed)
-
-
-def rekeyed(f, t: int, r: int):
-    """F_r under a key of its own, fresh_key(key, METHOD_TAG, t, r): its turns are sampled already, so this keys only
-    what a method samples from it (AgentPRM's continuations): independent over repeats, disjoint from the oracle."""
-    g = dataclasses.replace(f, key=sampler.fresh_key(f.key, sampler.METHOD_TAG, t, r))
-    g._kv = getattr(f, "_kv", None)  # the cached engine may continue from F_r's cache
-    return g
-
-
-def method_calls(facts, line_eps, decisions, R) -> list:
-    """[(t, [(n, r)], episodes)]: one call per (turn t, repeat r), the groups [F_r, its prompt's G-1 fresh lines of
-    repeat r] of every decision at turn t, so a call holds each prompt once, as a training batch does (GiGPO's
-    anchors and AgentPRM's Monte Carlo targets pool over the call's episodes)."""
-    # DEVIATION A8: a call batches the decisions at one turn index (a trainer batch: prompts_per_step prompts)
-    calls = []
-    for t in sorted({t for _, t in decisions}):
-        for r in range(R):
-            rows = [n for n, (_, u) in enumerate(decisions) if u == t]
-            eps = [e for n in rows for e in [rekeyed(facts[n * R + r], t, r), *line_eps[decisions[n][0]][r]]]
-            calls.append((t, [(n, r) for n in rows], eps))
-    return calls
-
-
-def method_estimates(method, run, calls, shape, proto, step) -> tuple:
-    """(N, R) the method's turn advantage of F_r at its decision turn t (turn_advantages on each call, groups of
-    group_size consecutive episodes, F_r first) and (N, R) auxiliary tokens: its call's aux_tokens per decision (every
-    turn of the call's episodes), as a training batch spends them (A9). A learned estimator restarts every call from
-    its state on entry (and is left in it), then trains its one online step on the call's batch before scoring it."""
-    est, aux, G = np.full(shape, np.nan), np.zeros(shape), method.cfg.group_size
-    start = copy.deepcopy(method.est.state_dict()) if getattr(method, "est", None) is not None else None
-    for t, rows, eps in calls:
-        if start is not None:
-            method.est.load_state_dict(copy.deepcopy(start))  # AdamW's state too: every call from the same point
-        with torch.no_grad():
-            adv, stats = method.turn_advantages(run, step, eps, proto)
-        for k, (n, r) in enumerate(rows):
-            # DEVIATION A9: per decision, the call's aux tokens over its decisions (VinePPO: the decision's own)
-            est[n, r], aux[n, r] = adv[k * G][t], stats["aux_tokens"] / sum(len(e.turns) for e in eps)
-    if start is not None:
-        method.est.load_state_dict(start)  # left as found
-    return est, aux
-
-
-def pretrain(method, run, rows, steps: int, proto) -> dict:
-    """A learned estimator's training before the audit: `steps` trainer steps of the method, each its own rollout of
-    prompts_per_step questions of `rows` and its turn_advantages, which trains the estimator on that batch (the
-    trainer's path and hyperparameters); the estimator loss of each step is on a batch it has not trained on yet."""
-    # DEVIATION A7: the estimator trains on the warm-start policy's episodes of questions not audited, the policy fixed
-    method.estimator(run)
-    losses, tokens, aux = [], 0, 0
-    for step in range(steps):
-        prompts = rollout.step_prompts(rows, method.cfg.prompts_per_step, method.cfg.seed, step)
-        with torch.no_grad():
-            eps = method.rollout(run, step, prompts, proto)
-            _, stats = method.turn_advantages(run, step, eps, proto)
-        losses.append(stats["estimator_loss"])
-        tokens, aux = tokens + sum(e.n_generated for e in eps), aux + stats["aux_tokens"]
-    return {"steps": steps, "prompts_per_step": method.cfg.prompts_per_step, "questions": len(rows),
-            "losses": losses, "rollout_tokens": tokens, "aux_tokens": aux}
-
-
-def method_rows(model, tok, retr, rows, raw, cfg, proto) -> dict:
-    """{"rows": {name: ((N, R) estimates, (N, R) aux tokens)}, "learned": {name: pretrain's record}} of every
-    --method_rows method; learned estimators first train on the questions of `rows` not audited."""
-    mcfg, run, R = method_config(cfg), method_run(model, tok, retr), cfg.repeats
-    audited = {row["id"] for row in raw["chosen"]}
-    others = [row for row in rows if row["id"] not in audited]
-    calls = method_calls(raw["facts"], raw["line_eps"], raw["decisions"], R)
-    out = {"rows": {}, "learned": {}}
-    for name in method_names(cfg.method_rows):
-        t0, method = time.time(), methods.METHODS[name](mcfg)
-        if hasattr(method, "estimator"):
-            if not others:
-                raise ValueError(f"{cfg.data}: every question is audited; {name} needs others to train on")
-            out["learned"][METHOD_ROWS[name]] = pretrain(method, run, others, cfg.learned_steps, proto)
-        out["rows"][METHOD_ROWS[name]] = method_estimates(method, run, calls, (len(raw["decisions"]), R), proto,
-                                                          cfg.learned_steps)
-        raw["times"][f"{name}_s"] = time.time() - t0
-    return out
 
 
 # --- estimators from the rollouts ---
@@ -511,6 +390,13 @@ def estimates(raw: dict, cfg) -> tuple:
             "GRPO": (grpo_estimates(u, raw["lines"], decisions, TRAIN.adv_eps), np.zeros((N, R)))}
     for k in vine_ks(cfg):
         ests[f"VinePPO K={k}"] = vine_estimates(raw["vine"], episodes, decisions, k)
+    if raw["forks"]:  # token forks (forks.py): the prior law's pass, the learnt law's, and that one budgeted
+        fk, factual = raw["forks"], sum(ep.n_generated for ep in episodes)
+        ests["TWICE token (prior law)"] = forks.fork_estimates(fk["first"])
+        est, tokens = ests["TWICE token"] = forks.fork_estimates(fk["second"])
+        p, c = (np.repeat(x[:, None], R, 1) for x in (fk["law"].p, fk["law"].cost))
+        est, _, branched = horvitz_thompson(est, p, c, cfg.twin_budget * factual, cfg.q_min, cfg.seed)
+        ests["TWICE token budgeted"] = (est, np.where(branched, tokens, 0.0))
     ests.update(raw["methods"]["rows"])
     shortcut = shortcut_bias(d_sc, u - tc["u"], tok_sc, tc["tokens"], tc["same_evidence"])
     return ests, {"u": u, "p": bud["p"], "q": bud["q"], "shortcut": shortcut,
@@ -550,7 +436,9 @@ def bootstrap_se(est, a, thr, draws: int = 1000, seed: int = 0) -> dict:
     return {"corr_se": sd(np.array(corr)[np.isfinite(corr)]), "wrong_sign_se": sd(np.array(wrong)[np.isfinite(wrong)])}
 
 
-PAIRS = (("TWICE", "independent"), ("TWICE", "GRPO"), ("TWICE", "VinePPO K=1"), ("TWICE", "GiGPO"))
+PAIRS = (("TWICE", "independent"), ("TWICE", "GRPO"), ("TWICE", "VinePPO K=1"), ("TWICE", "GiGPO"),
+         ("TWICE token", "TWICE"), ("TWICE token", "TWICE token (prior law)"),
+         ("TWICE token budgeted", "TWICE budgeted"))
 
 
 def corr_differences(ests: dict, a, draws: int = 1000, seed: int = 0) -> dict:
@@ -567,7 +455,7 @@ def corr_differences(ests: dict, a, draws: int = 1000, seed: int = 0) -> dict:
     return out
 
 
-def coupling_stats(u, u_coupled, u_indep) -> dict:
+def coupling_stats(u, u_coupled, u_indep, coupled=None, independent=None) -> dict:
     """rho = pooled within-decision correlation of U_r and the coupled U'_r, and the variance ratio it predicts:
     Var(D_c) / Var(D_i) = 1 - 2 rho s s' / (s^2 + s'^2) (s, s' the pooled within-decision SDs of U, U'), which is
     DESIGN's 1 - rho when s = s'; against the measured ratio of the twins' D variances (shortcut off)."""
@@ -579,7 +467,10 @@ def coupling_stats(u, u_coupled, u_indep) -> dict:
             (su + sc) if su + sc > 0 else math.nan, "measured_ratio": float(vc / vi) if vi > 0 else math.nan,
             "var_coupled": float(vc), "var_independent": float(vi), "sd_u": math.sqrt(su / u.size),
             "agree_coupled": float((u == u_coupled).mean()), "agree_independent": float((u == u_indep).mean()),
-            "sd_u_twin": math.sqrt(sc / u.size)}
+            "sd_u_twin": math.sqrt(sc / u.size),
+            **{f"token_agreement_{k}": float(x["agree"].sum() / x["compared"].sum())
+               for k, x in (("coupled", coupled), ("independent", independent))
+               if x is not None and x["compared"].sum() > 0}}
 
 
 def oracle_summary(orc, thr) -> dict:
@@ -613,15 +504,24 @@ def run_audit(model, tok, retr, rows, cfg) -> tuple:
     vines = [f"VinePPO K={k}" for k in vine_ks(cfg)]
     res = {"config": dataclasses.asdict(cfg), "episodes": len(raw["episodes"]), "metrics": metrics, "vines": vines,
            "oracle": oracle_summary(orc, cfg.threshold), "shortcut": side["shortcut"],
-           "coupling": coupling_stats(side["u"], raw["coupled"]["u"], raw["independent"]["u"]),
+           "coupling": coupling_stats(side["u"], raw["coupled"]["u"], raw["independent"]["u"], raw["coupled"],
+                                      raw["independent"]),
+           "predictors": {"turn": {"auc": credit.auc(side["p"], ests["TWICE"][0] != 0),
+                                   "brier": credit.brier(side["p"], ests["TWICE"][0] != 0)},
+                          **({"token": raw["forks"]["predictor"]} if raw["forks"] else {})},
+           "fork_token_agreement": raw["forks"]["token_agreement"] if raw["forks"] else None,
            "targets": targets(metrics, vines), "budget_q_mean": float(side["q"].mean()),
            "corr_differences": corr_differences({name: est for name, (est, _) in ests.items()}, a),
            "factual_tokens": side["factual_tokens"], "grpo_group_tokens": side["grpo_group_tokens"],
            "oracle_tokens": float(orc["tokens"].sum()), "times": raw["times"], "learned": raw["methods"]["learned"],
-           "method_config": dataclasses.asdict(method_config(cfg)) if raw["methods"]["rows"] else {}}
+           "method_config": dataclasses.asdict(audit_methods.method_config(cfg)) if raw["methods"]["rows"] else {}}
     res["decisions"] = [{"question": raw["chosen"][i]["id"], "episode": i, "turn": t, "outcome": ep.reward,
                          "action": ep.turns[t].action, **{k: float(orc[k][n]) for k in ("a", "se", "q", "v")},
                          "u_reroll": side["u"][n].tolist(), "p_discordance": side["p"][n].tolist(),
+                         "token_agreement": [float(raw[k][x][n].sum()) for k in ("coupled", "independent")
+                                             for x in ("agree", "compared")] + ([float(raw["forks"][k][x][n].sum())
+                                             for k in ("first", "second") for x in ("agree", "compared")]
+                                             if raw["forks"] else []),
                          "q_branch": side["q"][n].tolist(),
                          "estimates": {name: est[n].tolist() for name, (est, _) in ests.items()}}
                         for n, (i, t) in enumerate(raw["decisions"]) for ep in [raw["episodes"][i]]]
@@ -677,6 +577,7 @@ def main(cfg: Config) -> dict:
         return rescore(cfg.rescore)
     if cfg.threads:  # tiny models on a shared 2-core CPU: a second thread made generation ~10x slower (measured)
         torch.set_num_threads(cfg.threads)
+    numerics.require("this audit")
     t0 = time.time()
     model, tok = qa_eval.load_policy(cfg.model)
     res, ests = run_audit(model, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url),

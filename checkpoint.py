@@ -28,6 +28,9 @@ import uuid
 import numpy as np
 import torch
 
+import lora
+import numerics
+
 
 def _provenance() -> dict:
     import transformers
@@ -37,12 +40,14 @@ def _provenance() -> dict:
     except OSError:
         commit = ""
     return {"git_commit": commit, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], "numerics": numerics.describe()}
 
 
 def save(cfg, run, step: int, last: bool = False) -> str:
     """out_dir/step_NNNNNN: policy/ (HF folder, deployable), trainer/ (accelerate state: weights, optimizer, RNG),
     run.json (config, step, predictor and sigma_hat, provenance); the run's last one also policy_bf16/ (export_bf16).
+    With LoRA, policy/ is the adapter (PEFT folder), trainer/ the adapters' weights and AdamW state only, and the last
+    one also holds policy_merged/ (the merged policy, float32, plain HF folder; policy_bf16/ is that in bf16).
     Written to a temp dir, then renamed: atomic. Only then are old checkpoints pruned (prune_checkpoints)."""
     accel = run.accel
     final = os.path.join(cfg.out_dir, f"step_{step:06d}")
@@ -52,17 +57,23 @@ def save(cfg, run, step: int, last: bool = False) -> str:
     accel.wait_for_everyone()
     accel.save_state(os.path.join(tmp, "trainer"))
     if accel.is_main_process:
-        accel.unwrap_model(run.policy).save_pretrained(os.path.join(tmp, "policy"))
+        policy = accel.unwrap_model(run.policy)
+        (policy if run.adapter is None else run.adapter).save_pretrained(os.path.join(tmp, "policy"))
         run.tok.save_pretrained(os.path.join(tmp, "policy"))
         state = {"config": dataclasses.asdict(cfg), "step": step, "predictor": run.predictor.state_dict(),
-                 "method": run.method.state_dict(), "tokens": run.tokens,
+                 "token_predictor": run.token_predictor.state_dict(), "method": run.method.state_dict(),
+                 "tokens": run.tokens,
                  "sigma_hat": run.sigma_hat.state_dict(), "run_id": run_id(cfg.out_dir), **_provenance()}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(state, f)
         if hasattr(run.method, "save"):  # learned estimators: weights and optimizer state (learned.py)
             run.method.save(tmp)
         if last:
-            export_bf16(accel.unwrap_model(run.policy), run.tok, os.path.join(tmp, "policy_bf16"))
+            if run.adapter is not None:  # W + (alpha / r) B A as a plain model, loadable without peft
+                policy = lora.merged_model(policy)
+                policy.save_pretrained(os.path.join(tmp, "policy_merged"))
+                run.tok.save_pretrained(os.path.join(tmp, "policy_merged"))
+            export_bf16(policy, run.tok, os.path.join(tmp, "policy_bf16"))
         swap_in(tmp, final)
         prune_checkpoints(cfg.out_dir, cfg.keep_checkpoints, step, last)  # after the swap: the new one is complete
     accel.wait_for_everyone()
@@ -160,8 +171,12 @@ def load(cfg, run) -> int:
     if cfg.steps < state["step"]:
         raise ValueError(f"{cfg.resume}: the checkpoint is at step {state['step']}, past --steps={cfg.steps}; "
                          f"set --steps >= {state['step']}")
-    run.accel.load_state(os.path.join(cfg.resume, "trainer"))
+    if run.adapter is not None:  # trainer/ holds the adapters only: loaded non-strictly, so checked first
+        lora.check_trainer(os.path.join(cfg.resume, "trainer"), run.policy)
+    run.accel.load_state(os.path.join(cfg.resume, "trainer"), strict=run.adapter is None)
     run.predictor.load_state_dict(state["predictor"])
+    if "token_predictor" in state:  # checkpoints from before token forks have none (nothing learnt yet)
+        run.token_predictor.load_state_dict(state["token_predictor"])
     run.sigma_hat.load_state_dict(state["sigma_hat"])
     run.method.load_state_dict(state["method"])
     run.tokens = int(state["tokens"])
@@ -349,7 +364,7 @@ def start_log(cfg, start: int) -> list:
 def episode_rows(step: int, episodes, twins, n: int, world: int) -> list:
     """n of this rank's episodes, evenly spaced over its batch (different prompts and lines), as replay.py prints
     and checks them: turns, actions, retrieved ids, reward, the response's token ids, and each twin of theirs
-    (rollout.TwinResult: turn, kind, D, the twin's tokens from its branch point)."""
+    (rollout.TwinResult: turn, fork token k or None, kind, D, the twin's tokens from its branch turn)."""
     picked = [episodes[i] for i in sorted(set(np.linspace(0, len(episodes) - 1, n).round().astype(int)))] \
         if episodes and n else []
     rows = []
@@ -358,8 +373,8 @@ def episode_rows(step: int, episodes, twins, n: int, world: int) -> list:
         rows.append({"step": step, "uid": ep.uid, "line": ep.line, "world": world, "question": ep.question,
                      "reward": ep.reward, "answer": ep.answer, "ids": ep.ids,
                      "turns": [{"text": t.text, "action": t.action, "doc_ids": list(t.doc_ids)} for t in ep.turns],
-                     "twins": [{"turn": tw.turn, "j": tw.j, "kind": tw.kind, "diff": tw.diff, "outcome": tw.outcome,
-                                "ids": twin_tokens(ep, tw)} for tw in mine]})
+                     "twins": [{"turn": tw.turn, "k": tw.k, "j": tw.j, "kind": tw.kind, "diff": tw.diff,
+                                "outcome": tw.outcome, "ids": twin_tokens(ep, tw)} for tw in mine]})
     return rows
 
 
@@ -369,7 +384,7 @@ def twins_of(ep, twins) -> list:
 
 
 def twin_tokens(ep, tw) -> list:
-    """A twin's response tokens from its branch point (the start of the turn it changed) on."""
+    """A twin's response tokens from the start of the turn it changed on (a token fork's given tokens included)."""
     return tw.twin.ids[ep.turns[tw.turn].start:]
 
 

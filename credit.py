@@ -6,8 +6,12 @@ TWICE ("Same Luck, Different Choice", arXiv 2610.31544). Decision t of episode i
   q_t       = clip(lam * sqrt(p_t / c_t), q_min, 1)              budget rule, lam such that sum_t q_t c_t = budget
   A_hat_t   = 1[u_t < q_t] * mean_j D_t^j / q_t                  Horvitz-Thompson, unbiased for Q - V
   A_i,tok   = A_traj_i + omega * A_hat_t / sigma_hat             on the sampled tokens of turn t, 0 elsewhere
-p_t = P(U != U') comes from `DiscordancePredictor` (online logistic regression on 1[D != 0]), c_t is the predicted
-twin cost in tokens, sigma_hat is `RunningScale` (EMA of the RMS of the nonzero A_hat).
+p_t = P(U != U') comes from `DiscordancePredictor` (online logistic regression on 1[D != 0], scored by AUC and Brier
+score on each batch before it learns from it), c_t is the predicted twin cost in tokens, sigma_hat is `RunningScale`:
+twin_scale "d" (default): sqrt of an EMA of the Horvitz-Thompson mean of D^2 per decision, whose expectation does not
+depend on the branch probabilities q, so omega means the same at every budget; "rms" (the first form): an EMA of the
+RMS of the nonzero A_hat, which grows like 1/q and makes the expected twin term shrink with the budget. Token forks'
+fork law and credit are forks.py's.
 
 This file knows no episodes, models or ranks: the twins come from rollout.run_twins, the loop that joins them is
 train_twice.twin_credit. The baselines' formulas live with their trainers (baselines.py, learned.py), which reuse
@@ -21,6 +25,9 @@ C1. Groups of size 1 get advantage 0 (verl uses mean 0, std 1 there, i.e. the ra
 C2. solve_budget: decisions with p_t = 0 stay at q_min until every p_t > 0 decision is at q = 1; only then does the
    rest of the budget go to them, evenly. DESIGN.md does not say; this keeps sum q c = budget on the whole range.
 (C3-C5 are the baselines' formulas: baselines.py.)
+C6. sigma_hat (twin_scale = d): sqrt of an EMA of the Horvitz-Thompson mean of D^2 per decision, taken from the
+   batches before the one it scales; a batch without data leaves it. The paper says "a running scale"; its first
+   form here (twin_scale = rms) made the expected twin term proportional to q.
 
 No entry point: train_twice.py and audit.py import these functions. Tests: `python -m pytest -q tests/test_credit.py`.
 """
@@ -215,40 +222,60 @@ def featurize(turn, action, entropy, group_success, outcome, turns_remaining) ->
     return np.stack(cols, axis=-1).reshape(-1, len(FEATURES))
 
 
+def auc(p, y) -> float:
+    """Area under the ROC curve of scores p for 0/1 labels y (Mann-Whitney U / (n1 n0), ties counted half); nan
+    when a class is missing."""
+    p, y = as_array(p).reshape(-1), as_array(y).reshape(-1)
+    n1 = float(y.sum())
+    n0 = len(y) - n1
+    if n1 == 0 or n0 == 0:
+        return math.nan
+    order = np.argsort(p, kind="mergesort")
+    _, first, count = np.unique(p[order], return_index=True, return_counts=True)
+    ranks = np.empty(len(p))
+    ranks[order] = np.repeat(first + (count + 1) / 2, count)  # 1-based, ties share their mean rank
+    return float((ranks[y == 1].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def brier(p, y) -> float:
+    """Mean squared error of probabilities p against 0/1 labels y (nan for no labels)."""
+    p, y = as_array(p).reshape(-1), as_array(y).reshape(-1)
+    return float(np.mean((p - y) ** 2)) if len(y) else math.nan
+
+
 class DiscordancePredictor:
     """p_t = P(U != U') from per-decision features: online L2 logistic regression (DESIGN 5, discordance predictor).
 
     Fitted on a replay buffer of the most recent `buffer_size` labelled decisions (label 1[D != 0] of branched
     decisions), features standardised on the buffer, by damped Newton (IRLS) from zero: deterministic. Until the
     buffer holds `min_fit` labels of both classes, predict() returns the prior: the mean of every label seen so
-    far, 0.5 before any. Predictions are clipped to [p_min, 1 - p_min] so q_t never collapses.
+    far, 0.5 before any. Predictions are clipped to [p_min, 1 - p_min] so q_t never collapses. `features` names the
+    columns (credit.FEATURES for decisions, forks.TOKEN_FEATURES for fork tokens). Each update scores the batch
+    before learning from it: `auc` and `brier` (accuracy said nothing: it equals the majority class's rate).
     """
     FEATURES = FEATURES
     featurize = staticmethod(featurize)
 
-    def __init__(self, min_fit=64, buffer_size=4096, l2=1.0, p_min=0.02, newton_iters=30):
+    def __init__(self, min_fit=64, buffer_size=4096, l2=1.0, p_min=0.02, newton_iters=30, features=FEATURES):
         if not (l2 > 0 and 0 < p_min < 0.5 and min_fit >= 1 and buffer_size >= min_fit):
             raise ValueError("need l2 > 0, 0 < p_min < 0.5, 1 <= min_fit <= buffer_size")
         self.min_fit, self.buffer_size, self.newton_iters = min_fit, buffer_size, newton_iters
         self.l2, self.p_min = l2, p_min  # L2 strength on standardised weights; clip of every prediction
-        d = len(FEATURES)
+        self.features = tuple(features)
+        d = len(self.features)
         self.X, self.y = np.zeros((0, d)), np.zeros(0)  # replay buffer, oldest first
         self.mu, self.sd, self.w = np.zeros(d), np.ones(d), None  # w: (d + 1,), intercept last; None = prior
-        self.n_seen = self.n_pos = self.n_scored = self.n_correct = 0
-        self.accuracy = math.nan  # on the last update batch, predicted before fitting on it
+        self.n_seen = self.n_pos = 0
+        self.auc = self.brier = math.nan  # of the last update batch, predicted before fitting on it
 
     @property
     def prior(self) -> float:
         return self.n_pos / self.n_seen if self.n_seen else 0.5
 
-    @property
-    def running_accuracy(self) -> float:
-        return self.n_correct / self.n_scored if self.n_scored else math.nan
-
     def _check(self, X):
-        X = as_array(X)
-        if X.ndim != 2 or X.shape[1] != len(FEATURES) or not np.all(np.isfinite(X)):
-            raise ValueError(f"X must be finite with shape (n, {len(FEATURES)}) = featurize(...); got {X.shape}")
+        X, d = as_array(X), len(self.features)
+        if X.ndim != 2 or X.shape[1] != d or not np.all(np.isfinite(X)):
+            raise ValueError(f"X must be finite with shape (n, {d}), columns {self.features}; got {X.shape}")
         return X
 
     def _design(self, X):
@@ -259,21 +286,22 @@ class DiscordancePredictor:
         p = np.full(len(X), self.prior) if self.w is None else _sigmoid(self._design(X) @ self.w)
         return np.clip(p, self.p_min, 1.0 - self.p_min)
 
-    def update(self, X, y) -> float:
-        """Score the batch (p >= 0.5 predicts discordant), append it to the buffer, refit; returns the accuracy."""
+    def update(self, X, y) -> tuple:
+        """Score the batch (AUC, Brier score of its predictions before it is learnt), append it to the buffer, refit;
+        returns (auc, brier), nan where undefined (no labels; AUC: one class only)."""
         X, y = self._check(X), as_array(y).reshape(-1)
         if len(y) != len(X) or not np.all((y == 0) | (y == 1)):
             raise ValueError(f"need one 0/1 label per row: {len(X)} rows, labels {np.unique(y)[:5]}")
         if len(y) == 0:
-            return self.accuracy
-        correct = int(np.sum((self.predict(X) >= 0.5) == (y == 1)))
-        self.accuracy = correct / len(y)
-        self.n_correct, self.n_scored = self.n_correct + correct, self.n_scored + len(y)
+            self.auc = self.brier = math.nan
+            return self.auc, self.brier
+        p = self.predict(X)
+        self.auc, self.brier = auc(p, y), brier(p, y)
         self.n_seen, self.n_pos = self.n_seen + len(y), self.n_pos + int(y.sum())
         self.X = np.concatenate([self.X, X])[-self.buffer_size:]
         self.y = np.concatenate([self.y, y])[-self.buffer_size:]
         self._fit()
-        return self.accuracy
+        return self.auc, self.brier
 
     def _fit(self):
         y, n_pos = self.y, self.y.sum()
@@ -310,43 +338,75 @@ class DiscordancePredictor:
     def state_dict(self) -> dict:
         """JSON-serialisable state (Python floats round-trip exactly): reload gives bit-identical predictions."""
         s = {k: getattr(self, k) for k in ("min_fit", "buffer_size", "l2", "p_min", "newton_iters", "n_seen",
-                                           "n_pos", "n_scored", "n_correct")}
+                                           "n_pos")}
         s.update(X=self.X.tolist(), y=self.y.tolist(), mu=self.mu.tolist(), sd=self.sd.tolist(),
-                 w=None if self.w is None else self.w.tolist(),
-                 accuracy=None if math.isnan(self.accuracy) else self.accuracy)
+                 w=None if self.w is None else self.w.tolist(), features=list(self.features),
+                 auc=None if math.isnan(self.auc) else self.auc, brier=None if math.isnan(self.brier) else self.brier)
         return s
 
     def load_state_dict(self, s: dict):
-        for k in ("min_fit", "buffer_size", "newton_iters", "n_seen", "n_pos", "n_scored", "n_correct"):
+        if tuple(s.get("features", FEATURES)) != self.features:
+            raise ValueError(f"predictor state has features {s.get('features', FEATURES)}, this one {self.features}")
+        for k in ("min_fit", "buffer_size", "newton_iters", "n_seen", "n_pos"):
             setattr(self, k, int(s[k]))
         self.l2, self.p_min = float(s["l2"]), float(s["p_min"])
-        self.X = np.array(s["X"], dtype=np.float64).reshape(-1, len(FEATURES))
+        self.X = np.array(s["X"], dtype=np.float64).reshape(-1, len(self.features))
         self.y, self.mu, self.sd = (np.array(s[k], dtype=np.float64) for k in ("y", "mu", "sd"))
         self.w = None if s["w"] is None else np.array(s["w"], dtype=np.float64)
-        self.accuracy = math.nan if s["accuracy"] is None else float(s["accuracy"])
+        self.auc, self.brier = (math.nan if s.get(k) is None else float(s[k]) for k in ("auc", "brier"))
+
+
+def ht_mean_square(diffs, branched, q) -> float:
+    """(1 / n) sum_t 1[branched_t] mean_j (D_t^j)^2 / q_t over n decisions: the Horvitz-Thompson estimate of the mean
+    of D^2 per decision, whose expectation over the branch draws, (1 / n) sum_t E[D_t^2], does not involve q.
+    diffs as ht_credit's."""
+    mean_sq = ht_credit([np.square(as_array(d)) for d in diffs] if not isinstance(diffs, np.ndarray) else
+                        np.square(diffs), branched, q)
+    return float(mean_sq.mean()) if len(mean_sq) else 0.0
 
 
 class RunningScale:
-    """sigma_hat (DESIGN 5): EMA of the RMS of the nonzero A_hat of each batch; the first batch sets it, an
-    all-zero batch is ignored, and `value` is 1.0 before any data."""
+    """sigma_hat (DESIGN 5), value 1.0 before any data.
 
-    def __init__(self, decay=0.9):
-        self.decay, self._value = decay, None
+    mode "d" (twin_scale = d): sqrt of an EMA of ht_mean_square of each batch, a scale of D itself whose expectation
+    does not depend on q; the trainer scales a batch by the value from the batches before it (update after use), so
+    over that batch's branch draws E[A_hat / sigma] = (Q - V) / sigma exactly, at every budget. mode "rms" (the
+    first form): EMA of the RMS of the nonzero A_hat = D / q of each batch, updated before use; it grows like 1/q, so
+    the expected twin term shrinks with the budget. Either way the first batch with data sets the value and a batch
+    without any (no twin, or every D = 0) leaves it.
+    """
+
+    def __init__(self, decay=0.9, mode="rms"):
+        if mode not in ("rms", "d"):
+            raise ValueError(f"RunningScale mode must be 'rms' or 'd', got {mode!r}")
+        self.decay, self.mode, self._value = decay, mode, None  # _value: EMA of the RMS ("rms") or of D^2 ("d")
 
     @property
     def value(self) -> float:
-        return 1.0 if self._value is None else self._value
+        if self._value is None:
+            return 1.0
+        return math.sqrt(self._value) if self.mode == "d" else self._value
+
+    def _ema(self, x: float):
+        self._value = x if self._value is None else self.decay * self._value + (1 - self.decay) * x
 
     def update(self, a_hat) -> float:
+        """mode "rms": one batch's A_hat (the nonzero ones count)."""
         a = as_array(a_hat).reshape(-1)
         a = a[a != 0]
         if a.size:
-            rms = float(np.sqrt(np.mean(a * a)))
-            self._value = rms if self._value is None else self.decay * self._value + (1 - self.decay) * rms
+            self._ema(float(np.sqrt(np.mean(a * a))))
+        return self.value
+
+    def update_d(self, mean_square: float) -> float:
+        """mode "d": one batch's ht_mean_square (0: no data)."""
+        if mean_square > 0:
+            self._ema(float(mean_square))
         return self.value
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "value": self._value}
+        return {"decay": self.decay, "mode": self.mode, "value": self._value}
 
     def load_state_dict(self, s: dict):
-        self.decay, self._value = float(s["decay"]), None if s["value"] is None else float(s["value"])
+        self.decay, self.mode = float(s["decay"]), s.get("mode", "rms")
+        self._value = None if s["value"] is None else float(s["value"])

@@ -267,7 +267,8 @@ def load_policy(path: str, device=None, dtype=None):
 
 
 def load_retriever(index: str = "", url: str = ""):
-    """In-process dense retriever over an index folder, or a client of a Search-R1-style HTTP server."""
+    """In-process retriever over an index folder (dense, or BM25 when its meta.json says so: bm25.py), or a client of
+    a Search-R1-style HTTP server."""
     import retriever
     if url:
         return retriever.RemoteRetriever(url)

@@ -95,8 +95,9 @@ def measure(cfg, dims, steps: int, tiny: bool) -> dict:
     else:
         recorder = CudaPhases()
     metrics = {}
-    with recorder if tiny else contextlib.nullcontext(), memprobe.owners(stack, run.accel), \
-            memprobe.patched(memprobe.engine, "KeyedGumbelProcessor", memprobe.scripted_processor(tok, script)):
+    tag = memprobe.tagger(recorder, dims) if tiny else None
+    with recorder if tiny else contextlib.nullcontext(), memprobe.owners(stack, run.accel, tag), \
+            memprobe.scripted(tok, script), memprobe.as_on_gpu() if tiny else contextlib.nullcontext():
         for step in range(steps):
             recorder.peaks = {}
             if tiny:

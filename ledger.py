@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 import engine
+import kvcache
 import logprobs
+import lora
 import memprobe
 import memtrack
 import sampler
@@ -111,23 +113,43 @@ def _measure(dims, fn, selected=()) -> dict:
     return {"peak": tracker.peaks.get("pass", {"total": 0})["total"], **out}
 
 
-def decode_activations(dims, dtype, cfg, rows, width) -> int:
-    """One decode step of `rows` rows over a cache of `width` tokens: the forward and the keyed draw."""
-    from transformers import DynamicCache
+def _cuda_floor(l, top_p: float):
+    """sampler._nucleus_floor as on CUDA (the bisection: fixed shapes, no host sync), which fake tensors can run."""
+    e = torch.exp(l - l.amax(-1, keepdim=True))
+    return sampler._bisect_floor(l, e, e.sum(-1, keepdim=True) * top_p)
 
+
+def decode_activations(dims, dtype, cfg, rows, width) -> int:
+    """One decode step of `rows` rows attending over `width` cached positions: the engine's fixed-shape step
+    (kvcache.Decoder._step: the forward through the slot cache, the keyed draw, the stop decision), top-p read as
+    CUDA reads it. The slot cache itself is the decode batch's, not counted here."""
     def fn(tracker):
         model = fake_model(dims, dtype).eval()
-        head_dim = dims["hidden_size"] // dims["num_attention_heads"]
-        kv = (rows, dims["num_key_value_heads"], width, head_dim)
-        cache = DynamicCache(ddp_cache_data=[(torch.zeros(kv, dtype=dtype), torch.zeros(kv, dtype=dtype))
-                                             for _ in range(dims["num_hidden_layers"])])
-        ids, mask = torch.zeros((rows, 1), dtype=torch.long), torch.ones((rows, width + 1), dtype=torch.long)
-        pos = torch.full((rows, 1), width, dtype=torch.long)
-        with torch.no_grad(), _start(tracker):
-            logits, _ = FORWARD(model, ids, mask, pos, cache)
-            draw = sampler.KeyedGumbelProcessor(None, 0, cfg.temperature, cfg.top_k, cfg.top_p)
-            draw._draw(logits.index_select(0, torch.arange(rows)), torch.zeros(rows, dtype=torch.long),
-                       torch.zeros(rows, dtype=torch.long))
+        cache = kvcache.SlotCache(model.config, rows, width + 1, dtype, "cpu", hidden=True)
+        vocab = dims["vocab_size"]
+        tables = (torch.zeros(vocab, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool),
+                  torch.zeros(vocab, dtype=torch.bool))  # one stop-automaton state: no row stops
+        sample = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, fused=False)
+        dec = kvcache.Decoder(cache, rows, lambda ids, mask, pos, c: FORWARD(model, ids, {"full_attention": mask},
+                                                                            pos, c),
+                              tables, sample, cfg.sync_every, False, "sdpa")
+        dec.pos.fill_(width)
+        dec.live.fill_(True)
+        dec.budget.fill_(cfg.max_context)
+        with torch.no_grad(), memprobe.patched(sampler, "_nucleus_floor", _cuda_floor), _start(tracker):
+            dec._step(rows, rows, width + 1)
+    return _measure(dims, fn)["peak"]
+
+
+def head_activations(dims, dtype, cfg, rows) -> int:
+    """`rows` draws read off stored final hidden states (engine._track: a twin's first tokens, a self-twin): the LM
+    head over (rows, hidden) and the keyed draw over the vocabulary."""
+    def fn(tracker):
+        model = fake_model(dims, dtype).eval()
+        states = torch.zeros((rows, dims["hidden_size"]), dtype=dtype)
+        keys, steps = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+        with torch.no_grad(), memprobe.patched(sampler, "_nucleus_floor", _cuda_floor), _start(tracker):
+            sampler.keyed_draw(engine._logits(model, states), keys, steps, cfg.temperature, cfg.top_k, cfg.top_p)
     return _measure(dims, fn)["peak"]
 
 
@@ -286,6 +308,19 @@ def plain_static(params: int, adam: dict, grads: int, sampling: int) -> dict:
     return out
 
 
+def lora_static(cfg, dims, world: int) -> dict:
+    """{phase: {category: bytes}} of a LoRA run (lora_rank > 0: DDP, which train_twice requires of LoRA): the frozen
+    base and the float32 adapters, their gradients (and DDP's bucket copy of them on several ranks) and AdamW state
+    from lora.memory_bytes; AdamW's step temporaries from its fake step; no reference (the base, adapters off)."""
+    m = lora.memory_bytes(dims, cfg.lora_rank, cfg.lora_targets, cfg.bf16)
+    held = m["lora"]
+    adam = adamw_step(cfg, [m["adapter_params"]])
+    grads = held["gradients"] * (2 if world > 1 else 1)
+    return {phase: {"weights": held["weights"],
+                    "optimizer": held["optimizer"] + (adam["peak"] - adam["state"] if phase == "optimizer_step" else 0),
+                    "gradients": grads if phase in ("update", "optimizer_step") else 0} for phase in PHASES}
+
+
 def retriever_bytes(world: int, fp16: bool = True) -> float:
     """One GPU's share of the retriever server beside training: its index shard, FAISS scratch, its CUDA context,
     and (GPU 0, the worst) the E5 encoder."""
@@ -306,15 +341,17 @@ ROUND_NEW, ROUND_WIDTH = 32, 128  # a prefill is measured at its new tokens and 
 
 def rollout_activations(dims, dtype, cfg):
     """virtual(kind, rows, new, width) -> bytes for memprobe.phases: the full-size activations of one prefill forward
-    (a fake pass per shape, new tokens and width rounded up: ~20 shapes a step) or one decode step, forward and keyed
-    draw, as a + b rows + c rows x width fitted exactly to fake steps of gen_batch_size / 4 and gen_batch_size rows
-    over 256 and max_context / 2 cached tokens (logits and the draw's buffers per row; masks and attention scores
-    per row and cached token; the tests check the fit on another shape)."""
+    (a fake pass per shape, new tokens and width rounded up: ~20 shapes a step), one decode step (forward, keyed
+    draw, stop decision) as a + b rows + c rows x width fitted exactly to fake steps of gen_batch_size / 4 and
+    gen_batch_size rows over 256 and max_context / 2 cached positions (logits and the draw's buffers per row; masks
+    and attention scores per row and position; the tests check the fit on other shapes), or one read off stored
+    hidden states ("head": a + b rows, from two fake passes)."""
     lo, hi, w1, w2 = max(1, cfg.gen_batch_size // 4), cfg.gen_batch_size, 256, max(512, cfg.max_context // 2)
     points = ((lo, w1), (lo, w2), (hi, w1))
     decode_activations(dims, dtype, cfg, lo, w1)  # a first pass also allocates what the model builds once
     dec = np.linalg.solve([[1, p, p * w] for p, w in points],
                           [decode_activations(dims, dtype, cfg, p, w) for p, w in points])
+    head = np.linalg.solve([[1, lo], [1, hi]], [head_activations(dims, dtype, cfg, n) for n in (lo, hi)])
 
     @functools.lru_cache(maxsize=None)
     def prefill(rows, new, width):
@@ -323,6 +360,9 @@ def rollout_activations(dims, dtype, cfg):
     def virtual(kind, rows, new, width):
         if kind == "decode":
             return max(0.0, float(dec @ [1, rows, rows * width]))
+        if kind == "head":  # the engine reads at most 2^26 logits at once (rows tracked at once: twin_chunk at most)
+            rows = min(rows, max((1 << 26) // dims["vocab_size"], cfg.twin_chunk or rows))
+            return max(0.0, float(head @ [1, rows]))
         return prefill(rows, -(-new // ROUND_NEW) * ROUND_NEW, -(-width // ROUND_WIDTH) * ROUND_WIDTH)
     return virtual
 
@@ -341,9 +381,17 @@ def activations(dims, dtype, cfg, shapes, autocast=False) -> dict:
     return out
 
 
+def slot_cache_bytes(cfg, dims, dtype) -> int:
+    """The engine's slot cache on a GPU: gen_batch_size slots of max_context + 1 positions (kvcache.cache_bytes),
+    what the probe's decode batch holds from the first decode of the rollout until the twins are done."""
+    from transformers import Qwen2Config
+    return kvcache.cache_bytes(cfg.gen_batch_size, cfg.max_context + 1, Qwen2Config(**dims), dtype, hidden=True)
+
+
 MEMORY_FIELDS = ("prompts_per_step", "group_size", "max_turns", "max_new_tokens", "max_obs_tokens", "max_context",
                  "gen_batch_size", "method", "twin_budget", "twins_per_decision", "twin_chunk", "keep_caches",
-                 "mini_batches", "micro_batch_size", "entropy_coef", "bf16", "gradient_checkpointing", "ref_offload")
+                 "mini_batches", "micro_batch_size", "entropy_coef", "bf16", "gradient_checkpointing", "ref_offload",
+                 "lora_rank", "lora_targets")
 
 
 def config_of(cfg) -> dict:
@@ -356,13 +404,18 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
     """The ledger of one rank of `world` training with cfg (its per-rank batch) on a `dims` model (a Qwen2 config's
     sizes, vocabulary included): {"gpu_gib", "peak_gib", "peak_phase", "headroom", "phases": {phase: {"total_gib",
     "allocated_gib", "gib": {category: GiB}}}, ...}. strategy "zero2": DeepSpeed ZeRO-2 in bf16 (the presets);
-    "plain": one process, fp32 weights, bf16 autocast and sampling copy when cfg.bf16 (gpucheck.py). The probe
-    runs `steps` steps and the last is the ledger's."""
+    "plain": one process (or DDP, less its buckets), fp32 weights, bf16 autocast and sampling copy when cfg.bf16
+    (gpucheck.py); with lora_rank > 0, LoRA's layout under DDP (lora_static, lora.memory_bytes). The probe runs
+    `steps` steps and the last is the ledger's."""
     half = torch.bfloat16 if cfg.bf16 else torch.float32  # the rollout's dtype, the reference's
+    if cfg.lora_rank and strategy == "zero2":
+        raise ValueError("lora_rank > 0 runs under DDP (train_twice.setup refuses DeepSpeed): strategy 'ddp'")
     zero2 = strategy == "zero2"
-    mixed = "bf16" if cfg.bf16 and not zero2 else "no"
+    # the module's dtype: ZeRO-2's bf16 module; else fp32 master weights under autocast (LoRA: its base in bf16)
+    module = half if zero2 or (cfg.lora_rank and cfg.bf16) else torch.float32
+    mixed = "bf16" if cfg.bf16 and module == torch.float32 else "no"
     probe_dims = memprobe.probe_dims(dims)
-    probe = memprobe.run_steps(cfg, probe_dims, half if zero2 else torch.float32, memprobe.SCRIPTS[script],
+    probe = memprobe.run_steps(cfg, probe_dims, module, memprobe.SCRIPTS[script],
                                scale=memprobe.probe_scale(probe_dims, half, dims, half), mixed=mixed, threads=threads,
                                attention="probe", steps=steps, virtual=rollout_activations(dims, half, cfg))
     act = activations(dims, half, cfg, probe["shapes"], autocast=mixed == "bf16")
@@ -370,7 +423,9 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
     with fake:
         numels = [p.numel() for p in fake_model(dims, half).parameters()]
     params = sum(numels)
-    if zero2:
+    if cfg.lora_rank:
+        static = lora_static(cfg, dims, world)
+    elif zero2:
         ds = json.load(open(os.path.join(ROOT, "configs", "deepspeed_zero2.json")))
         static = zero2_static(params, max(numels), world, adamw_step(cfg, [-(-params // world)]), ds)
     else:
@@ -380,7 +435,8 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
         got = probe["peaks"].get(phase, {"bytes": {}})["bytes"]
         part = lambda owner: sum(v for k, v in got.items() if k.startswith(owner + "/"))  # noqa: E731
         cats = dict(static[phase])
-        cats["reference"] = params * memprobe._size(half) if not cfg.ref_offload or phase == "logprobs" else 0
+        on_gpu = not cfg.lora_rank and (not cfg.ref_offload or phase == "logprobs")  # LoRA: the base is the reference
+        cats["reference"] = params * memprobe._size(half) if on_gpu else 0
         cats["kv_entries"], cats["decode_batch"] = part("kv_entries"), part("decode_batch")
         cats["activations"] = part("other") + part("activations") + act[phase]  # the probe's: held full-size ones
         allocated = sum(cats.values())
@@ -396,6 +452,7 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
             "script": memprobe.SCRIPTS[script].__dict__, "phases": phases, "config": config_of(cfg),
             "step": {k: m.get(k) for k in ("factual_tokens", "twin_tokens", "twins", "twin_rollouts", "turns")},
             "episodes": cfg.prompts_per_step * cfg.group_size,
+            "slot_cache_gib": slot_cache_bytes(cfg, dims, half) / GIB,
             "shapes": {f"{ph}:{kind}": max(v, key=lambda s: s[0] * s[-1]) for (ph, kind), v in
                        probe["shapes"].items()}}
 
@@ -408,14 +465,16 @@ TABLE_START = "<!-- memory ledger: `python ledger.py --write` rewrites this tabl
 TABLE_END = "<!-- end of memory ledger -->"
 
 
-def preset_ledger(path: str, script="search-r1", threads=1) -> dict:
-    """The ledger of a preset file at its real shapes: one of 8 ranks, ZeRO-2."""
-    model = tt.parse_config([path]).model
+def preset_ledger(path: str, script="search-r1", threads=1, overrides=()) -> dict:
+    """The ledger of a preset file at its real shapes: one of 8 ranks, ZeRO-2 (LoRA: DDP). overrides: `--key=value`
+    config flags on top of the preset."""
+    model = tt.parse_config([path, *overrides]).model
     size = "7b" if "7B" in model else "3b" if "3B" in model else None
     if size is None:
         raise ValueError(f"{path}: model = {model!r}, not Qwen2.5-3B or -7B (the shapes QWEN knows)")
-    return {"preset": os.path.relpath(os.path.abspath(path), ROOT), "model": model,
-            **build(memprobe.step_config(path), QWEN[size], "zero2", 8, script, threads=threads)}
+    cfg = memprobe.step_config(path, list(overrides))
+    return {"preset": os.path.relpath(os.path.abspath(path), ROOT), "model": model, "overrides": list(overrides),
+            **build(cfg, QWEN[size], "plain" if cfg.lora_rank else "zero2", 8, script, threads=threads)}
 
 
 def table(ledgers: dict) -> str:
@@ -472,6 +531,8 @@ def main(argv=None):
     parser.add_argument("--script", default="search-r1", choices=sorted(memprobe.SCRIPTS), help="turn statistics")
     parser.add_argument("--write", action="store_true", help="write memory.json and README's table (both presets)")
     parser.add_argument("--readme", action="store_true", help="rewrite README's table from memory.json as it is")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config field on top of the preset(s), e.g. --set lora_rank=16 (repeatable)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the probe runs")
     parser.add_argument("--jobs", type=int, default=1, help="presets computed at once (processes)")
     parser.add_argument("--zero2-measure", action="store_true", help="DeepSpeed ZeRO-2 on CPU ranks against the "
@@ -489,7 +550,10 @@ def main(argv=None):
     for p in paths:
         if not os.path.isfile(p):
             parser.error(f"{p}: no such preset file")
-    jobs = [(p, args.script, args.threads) for p in paths]
+    if (args.write or args.readme) and args.set:
+        parser.error("--write and --readme record the presets as they are: no --set")
+    overrides = [f"--{kv}" for kv in args.set]
+    jobs = [(p, args.script, args.threads, overrides) for p in paths]
     if args.jobs > 1:
         import multiprocessing
         with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:

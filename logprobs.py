@@ -49,7 +49,7 @@ def final_hidden(model, input_ids, attention_mask):
 
 def _chunk_stats(head, h, targets, temperature, with_entropy):
     """(n,) log-probs (and entropies) of targets under softmax(head(h) / T); h (n, H)."""
-    logits = head(h).float()  # (n, V)
+    logits = head(h.to(head.weight.dtype)).float()  # (n, V); h is float32 out of an accelerate-wrapped forward
     if temperature != 1:
         logits = logits / temperature
     lse = torch.logsumexp(logits, -1)  # (n,)

@@ -7,12 +7,16 @@ filler words drawn with the keyed noise, then `<search> w </search>` or `<answer
 returns documents of the script's observation length, their ids from the query. Everything else (the engine, the
 twins, collate, the log-prob passes, the update) is the training code itself.
 
-Owners (OWNED): the function on the call stack that allocated a storage names it: a KV entry (engine._row_entry), the
-decode or prefill batch (the engine's batch functions and the cache layers' updates), activations (the model's
-forward, the keyed draw, the log-prob passes, the backward), the optimizer, the sampling copy; anything else is a
-step tensor ("other": the batch, advantages, log-prob arrays). Kinds: "kv" ((rows, kv heads, tokens, head dim)),
-"hidden" (last dim the hidden size), "other". A probe model small enough for a CPU thus measures a large one: keys and
-values scale by KV bytes per token, hidden states by hidden size (probe_scale).
+The engine as on a GPU (as_on_gpu): its slot cache of gen_batch_size slots holds max_context + 1 positions each
+(kvcache.cache_bytes), as CUDA allocates it, not the CPU's smaller size.
+
+Owners (OWNED): the function on the call stack that allocated a storage names it: the decode batch (the slot cache
+and the decoder's state, the prefill's stacked rows and cache layers, a slot's admission), activations (the model's
+forward, the decode step and its keyed draw, the log-prob passes, the backward), the optimizer, the sampling copy;
+every engine.KVEntry is re-counted as a KV entry when it is made (owners' tag); anything else is a step tensor
+("other": the batch, advantages, log-prob arrays). Kinds: "kv" ((.., kv heads, tokens, head dim)), "hidden" (last
+dim the hidden size), "other". A probe model small enough for a CPU thus measures a large one: keys and values
+scale by KV bytes per token, hidden states by hidden size (probe_scale).
 
 It knows nothing of GPUs: its storages are counted, not an allocator's blocks (memtrack.py).
 """
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import engine
+import kvcache
 import logprobs
 import memtrack
 import protocol
@@ -112,9 +117,10 @@ def script_rows(tok, script, n: int) -> list:
              "golden_answers": [ANSWERS[0]]} for i in range(n)]
 
 
-def scripted_processor(tok, script):
-    """A KeyedGumbelProcessor class whose draw follows the script: filler words drawn with the keyed noise from the
-    logits (restricted to FILLER), then the action's tags, so the turn stops at the planned length."""
+def scripted_draw(tok, script, draw):
+    """keyed_draw (sampler.py) following the script: filler words drawn by `draw` (the real keyed draw) from the logits
+    restricted to FILLER, then the action's tags, so each turn stops at its planned length. Keys are turn keys and
+    positions the token's place in the turn, as the engine passes them (group line keys, the presets')."""
     tags = {a: (_ids(tok, f"<{a}>"), _ids(tok, f"</{a}>")) for a in ("search", "answer")}
     allowed = torch.tensor(_ids(tok, " ".join(FILLER)))
 
@@ -127,18 +133,28 @@ def scripted_processor(tok, script):
         tail = tags[action][0] + word + tags[action][1]
         return max(lo + int(u[1] * (hi - lo + 1)), len(tail) + 1), tail
 
-    class Scripted(sampler.KeyedGumbelProcessor):
-        def _draw(self, logits, keys, pos):
-            masked = torch.full_like(logits, -math.inf)
-            masked[:, allowed] = logits[:, allowed]
-            token, logprob, entropy = super()._draw(masked, keys, pos)
-            steps = pos.tolist() if torch.is_tensor(pos) else [pos] * len(token)
-            for b, (key, k) in enumerate(zip(keys.tolist(), steps)):
-                length, tail = plan(key % 2 ** 64)
-                if k >= length - len(tail):
-                    token[b] = tail[k - (length - len(tail))]
-            return token, logprob, entropy
-    return Scripted
+    def scripted(logits, keys, pos, *args, **kwargs):
+        masked = torch.full_like(logits, -math.inf)
+        masked[:, allowed] = logits[:, allowed]
+        token, logprob, entropy = draw(masked, keys, pos, *args, **kwargs)
+        steps = pos.tolist() if torch.is_tensor(pos) else [pos] * len(token)
+        forced = token.clone()
+        for b, (key, k) in enumerate(zip(keys.tolist(), steps)):
+            length, tail = plan(key % 2 ** 64)
+            if k >= length - len(tail):  # a row past its stop (frozen, still drawing) repeats the last tag
+                forced[b] = tail[min(k - (length - len(tail)), len(tail) - 1)]
+        return forced, logprob, entropy
+    return scripted
+
+
+@contextlib.contextmanager
+def scripted(tok, script):
+    """The scripted agent in every place a token is drawn: the engine's decode step (kvcache), its reads off stored
+    hidden states (engine._track) and the generate path's processor (sampler)."""
+    draw = scripted_draw(tok, script, sampler.keyed_draw)
+    with patched(kvcache, "keyed_draw", draw), patched(engine, "keyed_draw", draw), \
+            patched(sampler, "keyed_draw", draw):
+        yield
 
 
 @contextlib.contextmanager
@@ -155,19 +171,20 @@ def patched(obj, name, value):
 # Owners and kinds of storages: which function allocated it, and what it holds
 
 OWNED = (  # (object, attribute, owner): what the named function allocates belongs to owner (innermost call wins)
-    (engine, "_row_entry", "kv_entries"), (engine, "_stack_rows", "decode_batch"),
-    (engine, "_stack_hidden", "decode_batch"), (engine, "_admit", "decode_batch"),
-    (engine, "_prefill_bucket", "decode_batch"), (engine._Batch, "logits", "decode_batch"),
-    (engine._Batch, "regroup", "decode_batch"), (engine._Batch, "add", "decode_batch"),
-    (engine, "_decode", "activations"), (engine, "_forward", "activations"), (engine, "_logits", "activations"),
-    (sampler.KeyedGumbelProcessor, "_draw", "activations"), (logprobs, "token_logprobs", "activations"),
-    (tt, "ppo_loss", "activations"), (tt, "sampling_copy", "weights"), (torch.optim.AdamW, "step", "optimizer"))
+    (kvcache.SlotCache, "__init__", "decode_batch"), (kvcache.Decoder, "__init__", "decode_batch"),
+    (engine, "_stack_rows", "decode_batch"), (engine, "_stack_hidden", "decode_batch"),
+    (engine, "_prefill_bucket", "decode_batch"), (engine._Slots, "admit", "decode_batch"),
+    (engine, "_forward", "activations"), (engine, "_logits", "activations"), (kvcache.Decoder, "_step", "activations"),
+    (logprobs, "token_logprobs", "activations"), (tt, "ppo_loss", "activations"), (tt, "sampling_copy", "weights"),
+    (torch.optim.AdamW, "step", "optimizer"))
 
 
 @contextlib.contextmanager
-def owners(stack: list, accel=None):
-    """While the block runs, each function of OWNED (and the cache layers' update and row selection: the decode
-    batch; accelerate's backward: activations) pushes its owner on `stack` for the duration of its call."""
+def owners(stack: list, accel=None, tag=None):
+    """While the block runs, each function of OWNED (and the prefill cache layers' update and row selection: the
+    decode batch; accelerate's backward: activations) pushes its owner on `stack` for the duration of its call.
+    tag(tensors, owner): with it, every engine.KVEntry made (a prefill's, or a row's copied out of its slot) is
+    counted as "kv_entries" from then on, whoever allocated it."""
     from transformers.cache_utils import DynamicLayer
 
     def owned(f, owner):
@@ -181,22 +198,52 @@ def owners(stack: list, accel=None):
         return wrapper
     targets = OWNED + ((DynamicLayer, "update", "decode_batch"), (DynamicLayer, "batch_select_indices", "decode_batch"))
     targets += ((accel, "backward", "activations"),) if accel is not None else ()
+    entry = engine.KVEntry
+
+    def counted_entry(ids, k, v, hidden):
+        tag([t for t in (k, v, hidden) if t is not None], "kv_entries")
+        return entry(ids, k, v, hidden)
     with contextlib.ExitStack() as es:
         for obj, name, owner in targets:
             es.enter_context(patched(obj, name, owned(getattr(obj, name), owner)))
+        if tag is not None:
+            es.enter_context(patched(engine, "KVEntry", counted_entry))
         yield
 
 
 def kind_of(t, dims) -> str:
-    """"kv" (keys or values: (b, kv heads, n, head dim)), "hidden" (last dim = hidden size) or "other"."""
+    """"kv" (keys or values: (.., kv heads, n, head dim): a layer's (b, H, n, D), an entry's (layers, H, n, D), the
+    slot cache's (layers, slots, H, length, D)), "hidden" (last dim = hidden size) or "other"."""
     head_dim = dims["hidden_size"] // dims["num_attention_heads"]
-    if t.dim() == 4 and t.shape[1] == dims["num_key_value_heads"] and t.shape[3] == head_dim:
+    if t.dim() >= 4 and t.shape[-3] == dims["num_key_value_heads"] and t.shape[-1] == head_dim:
         return "kv"
     return "hidden" if t.dim() >= 1 and t.shape[-1] == dims["hidden_size"] else "other"
 
 
 def classifier(dims, stack):
     return lambda t: f"{stack[-1] if stack else 'other'}/{kind_of(t, dims)}"
+
+
+def tagger(tracker, dims):
+    """owners()' tag: tensors counted under owner/<their kind> from now on."""
+    def tag(tensors, owner):
+        for t in tensors:
+            tracker.tag([t], f"{owner}/{kind_of(t, dims)}")
+    return tag
+
+
+def cuda_length(model, proto, queue) -> int:
+    """engine._cache_length as on CUDA, wherever the probe runs: every slot of the decode cache holds max_context + 1
+    positions (on a CPU the engine allocates only what a call's rows can reach)."""
+    return proto.max_context + 1
+
+
+@contextlib.contextmanager
+def as_on_gpu():
+    """The engine sized as on a GPU (cuda_length); the probe's attention (_no_attention) taken for sdpa by the
+    engine's check of what its slot cache can drive."""
+    with patched(engine, "_cache_length", cuda_length), patched(engine, "_slots_fit", lambda model: True):
+        yield
 
 
 def kv_bytes_per_token(dims, dtype) -> int:
@@ -242,17 +289,26 @@ def phases(tracker, run, shapes, virtual=None):
 
     def forward(model, ids, mask, pos, cache):
         b, s = ids.shape
-        kind, width = "prefill" if s > 1 else "decode", mask.shape[1] - s
+        if isinstance(mask, dict):  # the slot cache's decode step: (b, 1, 1, width) over the cached positions + 1
+            kind, width = "decode", mask["full_attention"].shape[-1] - 1
+        else:
+            kind, width = "prefill" if s > 1 else "decode", mask.shape[1] - s
         shapes.setdefault((tracker.current, kind), []).append((b, s, width))
         with tracker.hold("activations/virtual", virtual(kind, b, s, width)) if virtual else contextlib.nullcontext():
             return saved_forward(model, ids, mask, pos, cache)
+
+    def head(model, hidden):  # rows reading logits off stored hidden states (engine._track)
+        shapes.setdefault((tracker.current, "head"), []).append((hidden.shape[0], 1, 0))
+        with tracker.hold("activations/virtual", virtual("head", hidden.shape[0], 1, 0)) if virtual else \
+                contextlib.nullcontext():
+            return saved_logits(model, hidden)
 
     def token_lp(model, input_ids, attention_mask, temperature, with_entropy=False, positions=None, **kw):
         n = int(positions.sum()) if positions is not None else int(attention_mask[:, 1:].sum())
         shapes.setdefault((tracker.current, "scored"), []).append((*input_ids.shape, n))
         return saved_lp(model, input_ids, attention_mask, temperature, with_entropy, positions, **kw)
 
-    saved_forward, saved_lp = engine._forward, logprobs.token_logprobs
+    saved_forward, saved_lp, saved_logits = engine._forward, logprobs.token_logprobs, engine._logits
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(run.method, "rollout", timed("rollout", run.method.rollout)))
         stack.enter_context(patched(run.method, "advantages", timed("twins", run.method.advantages)))
@@ -261,6 +317,7 @@ def phases(tracker, run, shapes, virtual=None):
         stack.enter_context(patched(tt, "ppo_update", timed("update", tt.ppo_update)))
         stack.enter_context(patched(run.opt, "step", timed("optimizer_step", run.opt.step)))
         stack.enter_context(patched(engine, "_forward", forward))
+        stack.enter_context(patched(engine, "_logits", head))
         stack.enter_context(patched(logprobs, "token_logprobs", token_lp))
         yield
 
@@ -325,7 +382,7 @@ def run_steps(cfg, dims, dtype, script, steps=1, scale=None, block=1, mixed="no"
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients/other"))
     metrics = {}
-    with tracker, owners(stack, run.accel), patched(engine, "KeyedGumbelProcessor", scripted_processor(tok, script)):
+    with tracker, owners(stack, run.accel, tagger(tracker, dims)), scripted(tok, script), as_on_gpu():
         for step in range(steps):
             tracker.peaks, shapes = {}, {}
             tracker.tag([s for st in run.opt.state.values() for s in st.values() if torch.is_tensor(s)],

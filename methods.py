@@ -13,6 +13,7 @@ METHODS = {"grpo": baselines.Method, "twice": baselines.Method, "independent": b
            "tree_grpo": baselines.TreeGRPO, "ppo": learned.PPO, "igpo": baselines.IGPO, "spa_rl": learned.SPARL,
            "agentprm": learned.AgentPRM, "craft": baselines.CRAFT}
 NAMES = tuple(METHODS)
+LEARNED = tuple(name for name, cls in METHODS.items() if issubclass(cls, learned._Learned))  # copy the policy's body
 
 
 def make(cfg) -> baselines.Method:

@@ -126,8 +126,13 @@ class Protocol:
     top_k: int = 0                # most likely tokens kept before the noise; 0 = off
     gen_batch_size: int = 64      # rows per generate call (episodes sorted by context length, then chunked)
     max_query_chars: int = 1024   # a search query is cut to this many characters before retrieval (DEVIATION R2)
-    fused_sampler: bool = False   # torch.compile the keyed sampler into one kernel (use on GPU; eager is reference)
+    fused_sampler: bool = True    # torch.compile the keyed draw into one kernel, on CUDA (the CPU stays eager)
     engine: str = "cached"        # "cached": KV reuse + continuous batching; "generate": model.generate per turn
+    sync_every: int = 16          # cached engine: decode steps between read-backs of the sampled tokens (host syncs)
+    cuda_graphs: bool = False     # cached engine on CUDA: replay the decode step as CUDA graphs (one per shape)
+    line_keys: str = "group"      # reading of "line" in the key tuple: "group" (the sample's line in its group:
+    #                               keys (turn, position)) or "text" (the text line in the turn: keys restart after
+    #                               every newline), DESIGN.md section 5
 
 
 def protocol_from(cfg, greedy: bool = False) -> Protocol:

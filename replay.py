@@ -28,6 +28,7 @@ import baselines
 import checkpoint
 import config
 import eval as qa_eval
+import lora
 import methods
 import protocol
 import rollout
@@ -59,7 +60,7 @@ def policy_of(run_dir: str, step: int) -> tuple:
     have = [n for n, _ in checkpoint.checkpoint_steps(run_dir)]
     if step == 0 and have:  # the initial policy: the run's cfg.model, loaded as setup() loads it
         state = checkpoint.read_state(os.path.join(run_dir, f"step_{have[0]:06d}"))
-        return state["config"]["model"], {**state, "predictor": None}
+        return state["config"]["model"], {**state, "predictor": None, "token_predictor": None}
     raise ValueError(f"{run_dir}: step {step} has no checkpoint step_{step:06d} (its policy is the one after {step} "
                      f"updates; every other checkpoint holds another): checkpoints exist for steps "
                      f"{', '.join(map(str, have)) or '(none)'}; keep_checkpoints=0 and save_every=1 keep every step")
@@ -71,7 +72,7 @@ def logged(run_dir: str, step: int, uid: int, line: int):
     return next((row for _, row in rows if (row["step"], row["uid"], row["line"]) == (step, uid, line)), None)
 
 
-def regenerate(cfg, policy, tok, retriever, rows, step: int, uid: int, world: int, predictor_state):
+def regenerate(cfg, policy, tok, retriever, rows, step: int, uid: int, world: int, state):
     """The rank's factual batch of `step` holding uid, and (TWIN_METHODS) twin_credit's twins of it."""
     ranks = [r for r in range(world) if uid in {ep.uid for ep in rollout.start_episodes(
         tok, rollout.step_prompts(rows, cfg.prompts_per_step, cfg.seed, step, r, world), cfg.seed, step, 1)}]
@@ -89,9 +90,11 @@ def regenerate(cfg, policy, tok, retriever, rows, step: int, uid: int, world: in
                                   sampler=sampler,
                                   tok=tok, retriever=retriever, method=methods.make(cfg),
                                   predictor=tt.credit.DiscordancePredictor(),
-                                  sigma_hat=tt.credit.RunningScale(cfg.scale_decay))
-            if predictor_state:
-                run.predictor.load_state_dict(predictor_state)
+                                  token_predictor=tt.credit.DiscordancePredictor(features=tt.forks.TOKEN_FEATURES),
+                                  sigma_hat=tt.credit.RunningScale(cfg.scale_decay, cfg.twin_scale))
+            for name in ("predictor", "token_predictor"):  # the branch draws and fork laws of step N
+                if state.get(name):
+                    getattr(run, name).load_state_dict(state[name])
             batch = rollout.collate(episodes, tok.pad_token_id, cfg.max_context)
             twins = tt.twin_credit(cfg, run, step, episodes, batch, proto)[1]["twins"]
     return episodes, twins
@@ -109,7 +112,9 @@ def show(ep, twins) -> str:
             out.append(f"    retrieved: {', '.join(turn.doc_ids)}")
     for tw in twins:
         alt = tw.twin.turns[tw.turn]
-        out.append(f"=== twin at turn {tw.turn} (j={tw.j}): {tw.kind} | y' = {alt.action or 'invalid'} "
+        at = ep.turns[tw.turn].start + (tw.k or 0)
+        fork = "" if tw.k is None else f" token {tw.k} (id {ep.ids[at]} -> {tw.twin.ids[at]})"
+        out.append(f"=== twin at turn {tw.turn}{fork} (j={tw.j}): {tw.kind} | y' = {alt.action or 'invalid'} "
                    f"{alt.content!r} | U' {tw.outcome} | D = U - U' = {tw.diff}")
         out.append(alt.text)
         out += [f"    retrieved: {', '.join(alt.doc_ids)}"] if alt.doc_ids else []
@@ -133,11 +138,14 @@ def replay(opts: Replay) -> int:
                          f"{min(trained, default='-')}..{max(trained, default='-')})")
     row = logged(opts.run, opts.step, uid, opts.line)
     world = opts.world or (row or {}).get("world", 1)
-    policy, tok = qa_eval.load_policy(path, "cuda" if torch.cuda.is_available() else "cpu",
-                                      torch.float32 if opts.step == 0 else None)  # as setup() / as saved
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.lora_rank:  # the base as setup() loads it, with step_N's adapter (step 0: a fresh one, B = 0)
+        policy, tok = lora.load(cfg, path if opts.step else "", device)
+    else:
+        policy, tok = qa_eval.load_policy(path, device, torch.float32 if opts.step == 0 else None)  # setup's / saved
     retriever = qa_eval.load_retriever(cfg.index, cfg.retriever_url)
     episodes, twins = regenerate(cfg, policy, tok, retriever, qa_eval.load_qa(cfg.train_data), opts.step, uid, world,
-                                 state["predictor"])
+                                 state)
     ep = next((e for e in episodes if (e.uid, e.line) == (uid, opts.line)), None)
     if ep is None:
         raise ValueError(f"uid {uid} has no line {opts.line} (group_size {cfg.group_size})")

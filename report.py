@@ -7,6 +7,7 @@ Usage:
   python report.py methods runs/compare-methods/*-seed*        # every method at equal tokens + a PNG
   python report.py paired [--base grpo] runs/compare-methods/*-seed*   # AUC, final EM: mean +- SE, paired vs base
   python report.py paper GRPO=runs/x-grpo/eval TWICE=runs/x-twice/eval --paper 3b --out report.md   # paper's table
+  python report.py coupling runs/coupling-group runs/coupling-text   # audits' coupling figures, SEs, paired
 """
 import argparse
 import json
@@ -412,7 +413,10 @@ def audit_report(res: dict) -> str:
         f"{fmt(cp['predicted_ratio'])} (DESIGN, equal spreads), {fmt(cp['predicted_ratio_unequal'])} with the measured "
         f"spreads of U ({fmt(cp['sd_u'])}) and U' ({fmt(cp['sd_u_twin'])}); measured {fmt(cp['measured_ratio'])}. "
         f"Twin outcome equals the factual outcome: {fmt(cp['agree_coupled'], '%')} coupled, "
-        f"{fmt(cp['agree_independent'], '%')} independent.",
+        f"{fmt(cp['agree_independent'], '%')} independent. Token agreement after the decision (equal tokens at equal "
+        f"positions of the later turns; keys read with line = {cfg.get('line_keys', 'group')}): "
+        f"{fmt(cp.get('token_agreement_coupled'), '%')} coupled, {fmt(cp.get('token_agreement_independent'), '%')} "
+        "independent.", *audit_fork_notes(res),
         f"- Same-evidence shortcut: fires on {fmt(sc['fire_rate'], '%')} of twins ({sc['decisions_fired']} "
         f"decisions); per-decision bias mean |b| {sc['mean_abs_bias']:.4f} +- {sc['mean_abs_bias_se']:.4f} (SE over "
         f"decisions; noise floor {sc['noise_floor']:.4f}, signed mean {sc['signed_mean_bias']:+.4f}); saves "
@@ -427,6 +431,21 @@ def audit_report(res: dict) -> str:
         "- Correlation differences, paired bootstrap over decisions (SE): " + "; ".join(
             f"{k} {fmt(d, '+.3f')} +- {fmt(se)}" for k, (d, se) in res.get("corr_differences", {}).items()) + ".", "",
         "Targets: " + ", ".join(f"{k} {'MET' if v else 'NOT met'}" for k, v in res["targets"].items()), ""])
+
+
+def audit_fork_notes(res) -> list:
+    """The report's lines on the discordance predictors and the token forks."""
+    pr = res.get("predictors", {})
+    lines = ["- Discordance predictors, scored on twins they never saw: " + "; ".join(
+        f"{unit} AUC {fmt(x['auc'])}, Brier {fmt(x['brier'])}" for unit, x in pr.items()) + "."] if pr else []
+    if "TWICE token" in res["metrics"]:
+        lines.append(f"- Token forks (forks.py): fork floor {res['config']['fork_floor']}; the factual luck re-drawn "
+                     "after the fork token in every repeat; the first pass draws k from the prior law (r ~ 1 - pi, "
+                     "floored), the second from a token predictor cross-fitted on the first pass (other half of the "
+                     "episodes); 'budgeted' applies the sqrt rule to the second pass's fork laws. Token agreement "
+                     "after the fork token (rest of its turn and the later turns): " + ", ".join(
+                         fmt(x, "%") for x in res.get("fork_token_agreement") or []) + " (first, second pass).")
+    return lines
 
 
 def audit_method_notes(res) -> list:
@@ -447,6 +466,54 @@ def audit_method_notes(res) -> list:
                      + f"; that training generated {rec['rollout_tokens']} episode + {rec['aux_tokens']} aux tokens "
                      "(not in the table).")
     return lines
+
+
+COUPLING = (("coupled", 0), ("independent", 2), ("fork, learnt law", 6))  # audit.json token_agreement columns
+
+
+def coupling_samples(folder: str) -> dict:
+    """{(question, turn): (token_agreement counts, coupled D, independent D)} of an audit folder's audit.json."""
+    with open(os.path.join(folder, "audit.json"), encoding="utf-8") as f:
+        res = json.load(f)
+    if any("token_agreement" not in d for d in res["decisions"]):
+        raise SystemExit(f"{folder}/audit.json has no per-decision token_agreement (an audit from before it): rerun it")
+    return res, {(d["question"], d["turn"]): (np.array(d["token_agreement"], dtype=float),
+                                             np.array(d["estimates"]["TWICE no shortcut"], dtype=float),
+                                             np.array(d["estimates"]["independent"], dtype=float))
+                 for d in res["decisions"]}
+
+
+def coupling_figures(rows: list) -> dict:
+    """Token agreement after the decision (pooled counts) and Var(coupled D) / Var(independent D) (means of the
+    per-decision variances over repeats) of a list of coupling_samples values."""
+    out = {name: sum(r[0][c] for r in rows) / max(sum(r[0][c + 1] for r in rows), 1) for name, c in COUPLING
+           if all(len(r[0]) > c + 1 for r in rows)}
+    out["var ratio"] = np.mean([r[1].var(ddof=1) for r in rows]) / np.mean([r[2].var(ddof=1) for r in rows])
+    return out
+
+
+def compare_coupling(folders: list, draws: int = 2000, seed: int = 0) -> str:
+    """The coupling figures of audits (e.g. --line_keys group and text) with bootstrap SEs over decisions, and each
+    audit minus the first on the decisions they share (matched by question and turn, resampled together)."""
+    runs = [coupling_samples(f) for f in folders]
+    idx_of = lambda n: np.random.default_rng(seed).integers(0, n, (draws, n))  # noqa: E731
+    lines = ["| audit | line keys | decisions | " + " | ".join(coupling_figures(list(runs[0][1].values()))) + " |"]
+    lines.append("|---" * (len(lines[0].split("|")) - 2) + "|")
+    for folder, (res, rows) in zip(folders, runs):
+        vals, idx = list(rows.values()), idx_of(len(rows))
+        fig, boot = coupling_figures(vals), [coupling_figures([vals[i] for i in b]) for b in idx]
+        lines.append(f"| {folder} | {res['config'].get('line_keys', 'group')} | {len(vals)} | " + " | ".join(
+            f"{v:.3f} +- {np.std([b[k] for b in boot], ddof=1):.3f}" for k, v in fig.items()) + " |")
+    for folder, (_, rows) in zip(folders[1:], runs[1:]):
+        shared = [k for k in runs[0][1] if k in rows]
+        a, b, idx = [runs[0][1][k] for k in shared], [rows[k] for k in shared], idx_of(len(shared))
+        diff = lambda i: {k: v - coupling_figures([a[j] for j in i])[k]  # noqa: E731
+                          for k, v in coupling_figures([b[j] for j in i]).items()}
+        boot = [diff(i) for i in idx]
+        lines.append(f"| {folder} - {folders[0]} (paired) | | {len(shared)} | " + " | ".join(
+            f"{v:+.3f} +- {np.std([x[k] for x in boot], ddof=1):.3f}" for k, v in diff(range(len(shared))).items())
+            + " |")
+    return "\n".join(lines)
 
 
 def audit_scatter(path: str, a, ests: dict, metrics: dict):
@@ -483,7 +550,8 @@ def main(argv=None):
     commands = {"run": lambda a: print(finish_run(a[0])), "compare": lambda a: print(compare_runs(a)),
                 "methods": lambda a: print(compare_methods(a, png=os.path.join(os.path.dirname(
                     os.path.abspath(a[0])), "compare_methods_seeds{seeds}.png"))), "paper": paper_main,
-                "paired": lambda a: print(paired(a[2:], base=a[1]) if a[0] == "--base" else paired(a))}
+                "paired": lambda a: print(paired(a[2:], base=a[1]) if a[0] == "--base" else paired(a)),
+                "coupling": lambda a: print(compare_coupling(a))}
     if not argv or argv[0] not in commands or (argv[0] != "paper" and len(argv) < 2) or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)

@@ -1,4 +1,5 @@
 """Dense retrieval for the search agent: a transformer encoder (E5, MiniLM) + an exact inner-product FAISS index.
+BM25 (Lucene's, as pyserini's, without Java) is bm25.py: a folder whose meta.json names "bm25" is searched by it.
 
 The library: encoders and their prefixes, corpus and index folders, in-process search (`DenseRetriever`) and the
 client of a Search-R1 compatible HTTP server (`RemoteRetriever`). It knows nothing of serving: the HTTP server and its
@@ -48,7 +49,7 @@ S4. An fp16 encoder's hidden states are pooled and normalised in float32 (Search
 S10. At most MAX_QUERIES queries per search (`check_queries`: a ValueError naming the cap); Search-R1 has no cap.
 S11. A query that is not valid Unicode (a lone surrogate) is refused with a ValueError: the tokenizer would fail.
 S14. Queries are encoded in packs or fixed-shape batches, Determinism (1) (Search-R1 pads free-size batches of 512).
-S17. index_fp16 keeps the index's GPU shards in float16 (half of each training GPU's share; Search-R1 shards float32
+S21. index_fp16 keeps the index's GPU shards in float16 (half of each training GPU's share; Search-R1 shards float32
      or searches on the CPU): the candidates of each query are re-scored exactly as always, and a query whose
      candidates are not certified to hold the exact top k (`certified`) is searched again with twice as many, so
      the answers equal the float32 index's.
@@ -83,6 +84,8 @@ import tokenizers
 import torch
 from tqdm import tqdm
 from transformers import AutoModel, AutoTokenizer
+
+import bm25
 
 E5 = "intfloat/e5-base-v2"
 # known encoders -> (query prefix, passage prefix); any other with "e5" in its name gets E5's (Search-R1's rule)
@@ -372,13 +375,16 @@ def _check_out_dir(out: str) -> str:
 
 
 def _write_index_dir(out: str, meta: dict, offsets: np.ndarray, index=None):
-    """Write the folder atomically: everything goes to a temporary sibling, renamed into place at the end."""
+    """Write the folder atomically: everything goes to a temporary sibling, renamed into place at the end. index: a
+    FAISS index, or a function that writes the index files into the folder it is given."""
     out = _check_out_dir(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; an index is shared like any data folder
     try:
-        if index is not None:
+        if callable(index):
+            index(tmp)
+        elif index is not None:
             faiss.write_index(index, os.path.join(tmp, INDEX_FILE))
         np.save(os.path.join(tmp, OFFSETS_FILE), offsets)
         with open(os.path.join(tmp, META_FILE), "w") as f:
@@ -397,7 +403,10 @@ def build_index(corpus: str, encoder: str, out: str, batch_size: int = 256, max_
     """Encode every corpus row as a passage into an IndexFlatIP in the folder `out`; returns the meta.
 
     Rows are streamed; the vectors stay in RAM until written (wiki-18 with E5: 21M x 768 float32 = 64 GB).
+    encoder "bm25": a BM25 folder instead (`build_bm25_index`).
     """
+    if encoder == bm25.ENCODER:
+        return build_bm25_index(corpus, out, max_length)
     _check_out_dir(out)  # before hours of encoding
     enc = Encoder(encoder, query_prefix, passage_prefix, max_length, device, batch_size, fp16)
     index, offsets, chunk = faiss.IndexFlatIP(enc.dim), array.array("q"), []
@@ -418,6 +427,22 @@ def build_index(corpus: str, encoder: str, out: str, batch_size: int = 256, max_
     meta = _make_meta(encoder, prefixes, max_length, enc.dim, corpus, len(offsets), INDEX_FILE)
     meta["corpus_relative"] = os.path.relpath(os.path.abspath(corpus), os.path.abspath(out))  # survives a moved folder
     _write_index_dir(out, meta, np.frombuffer(offsets, np.int64), index)
+    return meta
+
+
+def build_bm25_index(corpus: str, out: str, max_length: int = MAX_LENGTH) -> dict:
+    """A BM25 folder (bm25.py): bm25s's files in bm25/, offsets.npy and meta.json as a dense folder's."""
+    out, offsets = _check_out_dir(out), array.array("q")
+
+    def texts():
+        for offset, row in iter_corpus(corpus):
+            offsets.append(offset)
+            yield row["contents"]
+    model, meta = bm25.build(tqdm(texts(), desc=f"analyze {corpus}", unit=" rows"), corpus)
+    meta |= {"max_length": max_length, "n_rows": len(offsets), "corpus": os.path.abspath(corpus),
+             "corpus_relative": os.path.relpath(os.path.abspath(corpus), out),
+             "corpus_fingerprint": corpus_fingerprint(corpus, len(offsets))}
+    _write_index_dir(out, meta, np.frombuffer(offsets, np.int64), lambda tmp: bm25.save(model, tmp))
     return meta
 
 
@@ -645,25 +670,30 @@ def _bytes(key: tuple, docs: list) -> int:
 
 
 class DenseRetriever:
-    """In-process retriever over an index folder; `search` is thread safe and a pure function of each query."""
+    """In-process retriever over an index folder; `search` is thread safe and a pure function of each query. A BM25
+    folder (meta.json's encoder "bm25") gets a bm25.BM25Index as both its encoder and its index."""
 
     def __init__(self, index_dir: str, device=None, cache_size: int = 100_000, corpus=None, fp16: bool = False,
                  faiss_gpu=None, cache_bytes: int = CACHE_BYTES, index_fp16: bool = False):
         self.meta, self.offsets, self.corpus, index_path = load_index_dir(index_dir, corpus)
         self.n_rows = len(self.offsets)
-        gpu = torch.cuda.is_available() and faiss.get_num_gpus() > 0 and device != "cpu"
-        gpu = gpu if faiss_gpu is None else gpu and faiss_gpu  # None: the GPUs when there are any
-        self.vectors, self.index, self._resources = load_vectors(index_path, self.meta, gpu, index_fp16)
-        self.error = fp16_error(self.vectors) if index_fp16 else None  # per unit query norm: certified() needs it
+        self.error, self._resources = None, None
+        if self.meta["encoder"] == bm25.ENCODER:  # queries -> terms, searched exactly: nothing to encode or re-score
+            self.vectors, self.index = None, bm25.BM25Index(index_path, self.meta, os.path.join(index_dir, META_FILE))
+        else:
+            gpu = torch.cuda.is_available() and faiss.get_num_gpus() > 0 and device != "cpu"
+            gpu = gpu if faiss_gpu is None else gpu and faiss_gpu  # None: the GPUs when there are any
+            self.vectors, self.index, self._resources = load_vectors(index_path, self.meta, gpu, index_fp16)
+            self.error = fp16_error(self.vectors) if index_fp16 else None  # per unit query norm: certified() needs it
         self._file = open(self.corpus, "rb")  # rows are read with pread: no file position shared between threads
         self._size = os.fstat(self._file.fileno()).st_size
         for i in sorted({0, self.n_rows - 1, *np.linspace(0, self.n_rows - 1, 16).astype(int).tolist()}):
             self._row(i)  # spot checks: a row that does not parse means the offsets are stale
         resolved = self.meta["encoder_resolved"]  # else the name: "minilm" moves with the virtual environment
-        self.encoder = Encoder(resolved if os.path.isdir(resolved) else self.meta["encoder"],
-                               self.meta["query_prefix"], self.meta["passage_prefix"], self.meta["max_length"],
-                               device, fp16=fp16)
-        if self.encoder.dim != self.meta["dim"]:
+        self.encoder = self.index if self.vectors is None else Encoder(
+            resolved if os.path.isdir(resolved) else self.meta["encoder"], self.meta["query_prefix"],
+            self.meta["passage_prefix"], self.meta["max_length"], device, fp16=fp16)
+        if self.vectors is not None and self.encoder.dim != self.meta["dim"]:
             raise ValueError(f"encoder {self.meta['encoder']} gives {self.encoder.dim}-d vectors, {index_path} holds "
                              f"{self.meta['dim']}-d ones")
         self.cache_size, self._cache = cache_size, OrderedDict()  # (query, topk) -> (docs, bytes), oldest first
@@ -719,23 +749,30 @@ class DenseRetriever:
         return [[dict(doc) for doc in found[key]] for key in items]
 
     def _search_vectors(self, vecs: np.ndarray, topk: int) -> list:
+        if self.vectors is None:  # BM25: each query's own terms (bm25.py)
+            tops = [self.index.top(terms, topk) for terms in vecs]
+        else:
+            tops = self._dense_tops(vecs, topk)
+        return [[{**self._row(int(row)), "score": float(score)} for row, score in zip(*top)] for top in tops]
+
+    def _dense_tops(self, vecs: np.ndarray, topk: int) -> list:
+        """(rows, exact scores) of each query's top k: FAISS's candidates re-scored exactly."""
         k = min(topk + CANDIDATE_MARGIN, self.n_rows)  # DEVIATION S2: never more rows than the corpus has
         with self._index_lock:
             approx, candidates = self.index.search(vecs, k)  # (Q, k) rows; FAISS's own scores depend on the batch
-        results = []
+        tops = []
         for vec, rows, scores in zip(vecs, candidates, approx):
-            best, exact = self._exact(vec, rows[rows >= 0], topk)
-            n = k
-            # DEVIATION S17: with a float16 index, a query whose candidates are not certified to hold the exact top k
+            top, n = self._exact(vec, rows[rows >= 0], topk), k
+            # DEVIATION S21: with a float16 index, a query whose candidates are not certified to hold the exact top k
             # is searched again with twice the candidates (the float32 index's exactness, kept)
-            while self.error is not None and n < self.n_rows and len(exact) and \
-                    not certified(exact[-1], scores[rows >= 0], self.error * float(np.linalg.norm(vec))):
+            while self.error is not None and n < self.n_rows and len(top[1]) and \
+                    not certified(top[1][-1], scores[rows >= 0], self.error * float(np.linalg.norm(vec))):
                 n = min(2 * n, self.n_rows)
                 with self._index_lock:
                     scores, rows = (a[0] for a in self.index.search(vec[None], n))
-                best, exact = self._exact(vec, rows[rows >= 0], topk)
-            results.append([{**self._row(int(row)), "score": float(score)} for row, score in zip(best, exact)])
-        return results
+                top = self._exact(vec, rows[rows >= 0], topk)
+            tops.append(top)
+        return tops
 
     def _exact(self, vec, rows, topk) -> tuple:
         products = self.vectors.reconstruct_batch(rows).astype(np.float64) * vec.astype(np.float64)  # (k, dim)
@@ -804,11 +841,11 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, range
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Dense retriever: build an index, describe a prebuilt one, search "
-                                                 "it (serve it: server.py).")
+    parser = argparse.ArgumentParser(description="Retriever (dense, or BM25: bm25.py): build an index, describe a "
+                                                 "prebuilt one, search it (serve it: server.py).")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="encode a jsonl corpus into an index folder")
-    build.add_argument("--encoder", required=True, help="minilm, e5, a local folder or a hub id")
+    build.add_argument("--encoder", required=True, help="minilm, e5, a local folder or a hub id; bm25: BM25")
     build.add_argument("--batch_size", type=int, default=256)
     prebuilt = sub.add_parser("describe-prebuilt", help="index folder for an existing flat IP index (no encoding)")
     prebuilt.add_argument("--index_file", required=True)
@@ -831,6 +868,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
     args = parser.parse_args(argv)
     check_flags(parser, args, {"batch_size": (1, None, ""), "max_length": (1, None, ""), "topk": (1, None, "")})
+    if getattr(args, "encoder", None) == bm25.ENCODER and (args.command != "build" or args.fp16 or any(
+            getattr(args, f) is not None for f in ("query_prefix", "passage_prefix", "device"))):
+        parser.error("--encoder bm25 goes with `build` only, and takes no prefixes, --device or --fp16")
     return args
 
 
@@ -839,7 +879,8 @@ def main(argv=None):
     if args.command == "build":
         meta = build_index(args.corpus, args.encoder, args.out, args.batch_size, args.max_length, args.query_prefix,
                            args.passage_prefix, args.device, args.fp16)
-        print(f"built {args.out}: {meta['n_rows']} rows, dim {meta['dim']}")
+        print(f"built {args.out}: {meta['n_rows']} rows, {'terms' if args.encoder == bm25.ENCODER else 'dim'} "
+              f"{meta['dim']}")
     elif args.command == "describe-prebuilt":
         meta = describe_prebuilt(args.index_file, args.corpus, args.encoder, out_dir=args.out,
                                  max_length=args.max_length, query_prefix=args.query_prefix,

@@ -35,6 +35,7 @@ import torch
 import credit
 from engine import generate_turn
 from protocol import INVALID_ACTION_MSG, extract_answer, information_block, parse_action, render_prompt, reward
+from rows import TurnStart
 from sampler import INDEPENDENT_TAG, UNCOUPLED_TAG, alt_key, episode_key, fresh_key, mix, stable_id, turn_key
 
 
@@ -76,6 +77,11 @@ class Episode:
     fresh_seed: int | None = None  # uncoupled: turns >= fresh_from use turn_key(fresh_seed, turn)
     fresh_from: int = 0
     branch_turn: int | None = None  # the turn this record branched at (None: factual)
+    fork: TurnStart | None = None  # how turn fork.turn starts: given first tokens, a fork token's key and ban
+
+    def start_for(self, turn: int):
+        """The TurnStart (rows.py) of `turn`, or None (the turn starts at position 0 on its turn key)."""
+        return self.fork if self.fork is not None and self.fork.turn == turn else None
 
     def key_for(self, turn: int) -> int:
         if turn in self.key_overrides:
@@ -151,7 +157,7 @@ def _add_turn(ep, gen, tokenizer) -> Turn:
                 gen.logprobs, gen.entropy, gen.key, gen.stop)
     ep.ids += gen.ids  # DEVIATION R4: an EOS ending the turn stays, as sampled (Search-R1's re-encode drops it)
     ep.mask += [1] * len(gen.ids)
-    ep.n_generated += len(gen.ids)
+    ep.n_generated += len(gen.ids) - gen.given  # a fork's given first tokens were sampled by its factual episode
     ep.turns.append(turn)
     return turn
 
@@ -232,11 +238,12 @@ def release_caches(episodes):
 
 
 # --- twins and Monte Carlo continuations (DESIGN.md section 5) ---
-def branch(ep, turn: int, include_turn=False, key_overrides=None, fresh_seed=None) -> Episode:
+def branch(ep, turn: int, include_turn=False, key_overrides=None, fresh_seed=None, fork=None) -> Episode:
     """A new episode in state s_t (the factual prefix before `turn`), or after it with include_turn.
 
     Keys: the parent's for the kept turns; key_overrides on top; with fresh_seed, every turn from the branch point on
-    (turn, or turn + 1 with include_turn) not overridden uses turn_key(fresh_seed, t).
+    (turn, or turn + 1 with include_turn) not overridden uses turn_key(fresh_seed, t). fork: how its next turn
+    starts (rows.TurnStart: given first tokens, a fork token's key and ban).
     """
     if not 0 <= turn < len(ep.turns):
         raise ValueError(f"branch: turn {turn} outside the episode's {len(ep.turns)} turns")
@@ -247,7 +254,7 @@ def branch(ep, turn: int, include_turn=False, key_overrides=None, fresh_seed=Non
     new = Episode(uid=ep.uid, line=ep.line, key=ep.key, question=ep.question, golden_answers=ep.golden_answers,
                   prompt_ids=ep.prompt_ids, ids=ep.ids[:cut], mask=ep.mask[:cut], turns=list(ep.turns[:start]),
                   key_overrides=overrides, fresh_seed=ep.fresh_seed if fresh_seed is None else fresh_seed,
-                  fresh_from=ep.fresh_from if fresh_seed is None else start, branch_turn=turn)
+                  fresh_from=ep.fresh_from if fresh_seed is None else start, branch_turn=turn, fork=fork)
     new._kv = getattr(ep, "_kv", None)  # the cached engine starts the branch from its parent's cache
     if include_turn and start == len(ep.turns) and ep.done:  # the turn ended the episode: nothing left to sample
         new.answer, new.reward, new.done = ep.answer, ep.reward, True
@@ -287,19 +294,34 @@ class TwinResult:
     kind: str           # "self" | "same_evidence" | "rollout"
     outcome: float      # U' (the factual U when not rolled out)
     diff: float         # D_t = U - U'
-    tokens: int         # tokens generated: the alternative turn + the continuation
+    tokens: int         # tokens generated: the alternative turn (from the fork) + the continuation
     twin: Episode
+    k: int | None = None  # token fork: the position in turn t of the forked token; None: the whole turn
 
 
 def _same_evidence(factual: Turn, alt: Turn) -> bool:
     return factual.action == alt.action == "search" and bool(alt.doc_ids) and alt.doc_ids == factual.doc_ids
 
 
+def turn_start(ep, t: int, n: int, key=None, ban=None) -> TurnStart:
+    """rows.TurnStart of turn t with ep's first n tokens of it given (their sampled log-probs and entropies): a
+    token fork at n (key, ban = y_t[n]) or, with neither, a continuation from position n."""
+    turn = ep.turns[t]
+    if not 0 <= n < turn.end - turn.start:
+        raise ValueError(f"turn_start: token {n} outside turn {t}'s {turn.end - turn.start} tokens")
+    return TurnStart(t, ep.ids[turn.start:turn.start + n], turn.logprobs[:n], turn.entropy[:n], key, ban)
+
+
 def run_twins(model, tokenizer, retriever, requests, proto, coupling=True, same_evidence_shortcut=True,
-              independent=False, chunk=0, release=False) -> list:
+              independent=False, forks=None, chunk=0, release=False) -> list:
     """Twin of each (finished episode, turn t, j), all batched: y' ~ pi(. | s_t) with alt_key(key, t, j), then
     the factual keys for every later (turn, pos) (coupling) or fresh ones. Self-twins (y' == y_t token for token)
     and, with the shortcut, searches retrieving the same ids in the same order take D = 0 without a rollout.
+
+    forks (twin_unit = token, DESIGN.md section 5): per request the token k of turn t to fork at. The twin keeps
+    y_t[:k], draws its token k from pi(. | s_k) restricted to v != y_t[k] with alt_key(key, t, j) (at position k),
+    then continues on the factual keys: turn t's from position k + 1 on, every later turn's. So
+    E[D] = Q(s_k, y_k) - E_{v != y_k} Q(s_k, v): no self-twin and no rewording of the same decision.
 
     independent=True is the textbook independent counterfactual (method=independent): y' and every later turn use
     turn_key(fresh_key(key, INDEPENDENT_TAG, t, j), turn), every twin is rolled out (a self-twin too: its future
@@ -315,24 +337,31 @@ def run_twins(model, tokenizer, retriever, requests, proto, coupling=True, same_
     last = {id(ep): i for i, (ep, _, _) in enumerate(requests)}
     for c in range(0, len(requests), size):
         part = requests[c:c + size]
-        twins = [_twin_branch(c + i, ep, t, j, coupling, independent) for i, (ep, t, j) in enumerate(part)]
+        ks = [None] * len(part) if forks is None else forks[c:c + size]
+        twins = [_twin_branch(c + i, ep, t, j, k, coupling, independent) for i, ((ep, t, j), k) in
+                 enumerate(zip(part, ks))]
         if release:
             release_caches([ep for ep, _, _ in part if last[id(ep)] < c + size])
         kinds = _run_twin_chunk(model, tokenizer, retriever, part, twins, proto, same_evidence_shortcut, independent,
                                 release)
-        out += [TwinResult(c + i, t, j, kind, tw.reward, ep.reward - tw.reward, tw.n_generated, tw)
-                for i, ((ep, t, j), kind, tw) in enumerate(zip(part, kinds, twins))]
+        out += [TwinResult(c + i, t, j, kind, tw.reward, ep.reward - tw.reward, tw.n_generated, tw, k)
+                for i, ((ep, t, j), kind, tw, k) in enumerate(zip(part, kinds, twins, ks))]
     return out
 
 
-def _twin_branch(i, ep, t, j, coupling, independent) -> Episode:
-    """The j-th twin of (episode, turn t): its alternative turn's key and the keys after it."""
+def _twin_branch(i, ep, t, j, k, coupling, independent) -> Episode:
+    """The j-th twin of (episode, turn t): its alternative turn's key and the keys after it; k: a token fork at
+    token k of turn t (None: the whole turn is drawn again)."""
     if not ep.done:
         raise ValueError(f"request {i}: twins branch from finished episodes")
     if independent:
-        return branch(ep, t, fresh_seed=fresh_key(ep.key, INDEPENDENT_TAG, t, j))
+        return branch(ep, t, fresh_seed=fresh_key(ep.key, INDEPENDENT_TAG, t, j), fork=None if k is None else
+                      turn_start(ep, t, k, ban=ep.ids[ep.turns[t].start + k]))
     fresh = None if coupling else fresh_key(ep.key, UNCOUPLED_TAG, t, j)
-    return branch(ep, t, key_overrides={t: alt_key(ep.key, t, j)}, fresh_seed=fresh)
+    if k is None:
+        return branch(ep, t, key_overrides={t: alt_key(ep.key, t, j)}, fresh_seed=fresh)
+    start = turn_start(ep, t, k, alt_key(ep.key, t, j), ep.ids[ep.turns[t].start + k])
+    return branch(ep, t, fresh_seed=fresh, fork=start)
 
 
 def _run_twin_chunk(model, tokenizer, retriever, requests, twins, proto, same_evidence_shortcut, independent,
@@ -369,6 +398,19 @@ def continue_from(model, tokenizer, retriever, requests, proto) -> list:
     every sampled turn uses turn_key(seed, turn): e.g. seed = fresh_key(ep.key, MC_Q_TAG, t, k) for the k-th.
     """
     branches = [branch(ep, t, include_turn=inc, fresh_seed=seed) for ep, t, inc, seed in requests]
+    return run_episodes(model, tokenizer, retriever, branches, proto)
+
+
+def continue_after_token(model, tokenizer, retriever, requests, proto) -> list:
+    """Rollouts from just after token k of turn t (a sample of Q(s_k, y_k)): requests of (episode, t, k, seed), all
+    batched; turn t's later tokens and every later turn use turn_key(seed, turn) (after its last token: the turn
+    boundary, as continue_from with include_turn)."""
+    branches = []
+    for ep, t, k, seed in requests:
+        if k == ep.turns[t].end - ep.turns[t].start - 1:
+            branches.append(branch(ep, t, include_turn=True, fresh_seed=seed))
+        else:
+            branches.append(branch(ep, t, fresh_seed=seed, fork=turn_start(ep, t, k + 1)))
     return run_episodes(model, tokenizer, retriever, branches, proto)
 
 

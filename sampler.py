@@ -12,11 +12,16 @@ it, same luck, different choice: D_t = U - U', E[D_t | s_t, y_t] = Q(s_t, y_t) -
 (uncoupled twins, Monte Carlo continuations, the baselines' branches, the budget rule's branch draws, shuffles) is
 mix(key, TAG, ...) with a tag of the one table below, so no two kinds of draw share noise.
 
-`keyed_gumbel_argmax` is the definition, written as its formula. `KeyedGumbelProcessor` (a transformers
-LogitsProcessor) is the fast exact draw the engine uses: the exponential race, the same tokens (tested), one log per
-element instead of two, optionally one torch.compile kernel.
+`keyed_gumbel_argmax` is the definition, written as its formula. `keyed_draw` is the fast exact draw the engine uses
+(and `KeyedGumbelProcessor`, a transformers LogitsProcessor, inside model.generate): the exponential race, the same
+tokens (tested), one log per element instead of two, optionally one torch.compile kernel; top-p without a
+full-vocabulary sort.
 
 It knows no model, tokenizer, protocol or episode: integer keys in, uniforms and token ids out.
+
+Deviation (README "Deviations"; `# DEVIATION P7:` where it acts):
+  P7. Top-p keeps every token tied with the least likely kept one, its mass summed from candidates or a bisection
+      rather than a sorted float32 cumulative sum: the float64 definition's set (tested), not vLLM's sort order.
 """
 import hashlib
 import math
@@ -46,6 +51,8 @@ ORDER_TAG = 0x6F7264          # "ord": the audit's question order (audit)
 REROLL_TAG = 0x72726F6C       # "rrol": the audit's re-rolled factual episodes F_r (audit)
 GROUP_TAG = 0x67727030        # "grp0": the run seed of the audit's fresh GRPO lines (audit)
 METHOD_TAG = 0x6D657468       # "meth": F_r's own key for what a method samples from it (audit)
+FORK_TAG = 0x666F726B         # "fork": a token fork's draw of k ~ r_t (forks.py) and its re-rolled factual (audit)
+LINE_TAG = 0x6C696E65         # "line": the text-line reading of keys, line_key(turn key, line) for lines >= 1
 SCRIPT_TAG = 0x73637270       # "scrp": the memory ledger's scripted agent: its turns' lengths and actions (ledger.py)
 
 
@@ -81,6 +88,12 @@ def turn_key(ep_key: int, turn: int) -> int:
 def alt_key(ep_key: int, turn: int, j: int) -> int:
     """Key of the j-th alternative decision at `turn`: independent of the factual turn's keys (DESIGN.md 5)."""
     return mix(ep_key, ALT_TAG, turn, j)
+
+
+def line_key(turn_key_: int, line: int) -> int:
+    """Key of text line `line` of a turn under the text-line reading (DESIGN.md section 5, `line_keys = "text"`):
+    line 0 is the turn key itself, so a turn without a newline draws as under the group reading."""
+    return turn_key_ if line == 0 else mix(turn_key_, LINE_TAG, line)
 
 
 def fresh_key(ep_key: int, tag: int, *idx: int) -> int:
@@ -119,6 +132,13 @@ def _row_seeds(keys, pos):
     """mix(key, pos) for a (B,) int64 tensor of keys: the seed of the row's noise stream at position pos."""
     h = _fmix64_(keys + _signed(GOLDEN), None)
     return _fmix64_((h ^ pos) + _signed(GOLDEN), None)
+
+
+def line_keys(turn_keys, lines):
+    """line_key over (B,) int64 tensors of turn keys and line numbers (no host sync: the decode step calls it)."""
+    h = _fmix64_(turn_keys + _signed(GOLDEN), None)
+    h = _fmix64_((h ^ _signed(LINE_TAG)) + _signed(GOLDEN), None)
+    return torch.where(lines == 0, turn_keys, _fmix64_((h ^ lines) + _signed(GOLDEN), None))
 
 
 def _weyl(vocab: int, device) -> torch.Tensor:
@@ -187,16 +207,105 @@ def _keyed_race(l, seeds, weyl, e=None, x=None, tmp=None, f=None):
 _COMPILED = {}  # "race" -> torch.compile(_keyed_race): one fused kernel over (B, V), compiled on first use
 
 
+TOP_P_CANDIDATES = 256  # top-p on the CPU: the nucleus is read off this many most likely tokens when they hold it
+
+
 def _mask_top_k_top_p(l, top_k: int, top_p: float):
-    """Mask to -inf outside top-k, then outside the nucleus (transformers' TopK/TopPLogitsWarper, same order)."""
+    """Mask to -inf outside top-k, then outside the nucleus, in place (transformers' TopK/TopPLogitsWarper order).
+
+    The nucleus keeps token v iff the mass of the tokens strictly more likely than v is below top_p (so the most
+    likely token always, and every token tied with the least likely kept one): keep l >= _nucleus_floor(l, top_p).
+    """
     if top_k > 0 and top_k < l.shape[-1]:
         l.masked_fill_(l < torch.topk(l, top_k).values[..., -1:], -math.inf)
-    if top_p < 1.0:
-        sorted_l, order = torch.sort(l, descending=False)
-        drop = sorted_l.softmax(-1).cumsum(-1) <= 1 - top_p  # (B, V) in ascending order
-        drop[..., -1:] = False  # keep at least the most likely token
-        l.masked_fill_(drop.scatter(1, order, drop), -math.inf)
+    if top_p < 1.0:  # DEVIATION P7: ties at the boundary all kept; the mass summed without a sort (_nucleus_floor)
+        l.masked_fill_(l < _nucleus_floor(l, top_p), -math.inf)
     return l
+
+
+def _nucleus_floor(l, top_p: float):
+    """(B, 1) the least logit of each row's nucleus, without a full-vocabulary sort.
+
+    CPU: the TOP_P_CANDIDATES most likely tokens give it exactly whenever they hold the nucleus (mass >= top_p before
+    the last one); rows where they do not are redone over the whole sorted vocabulary. CUDA: a bisection over the
+    floats' own order (no sort, no host sync, fixed shapes, so it runs inside a captured decode step). Both give the
+    smallest logit x with mass(l > x) < top_p (float32 sums, in different orders)."""
+    e = torch.exp(l - l.amax(-1, keepdim=True))  # (B, V) unnormalised probabilities
+    z = e.sum(-1, keepdim=True)  # (B, 1)
+    if l.is_cuda:
+        return _bisect_floor(l, e, z * top_p)
+    floor, covered = _candidate_floor(l, z, top_p, min(TOP_P_CANDIDATES, l.shape[-1]))
+    if not covered.all():  # a flat distribution: the nucleus reaches past the candidates
+        rows = (~covered).nonzero().squeeze(1)
+        floor[rows] = _candidate_floor(l[rows], z[rows], top_p, l.shape[-1])[0]
+    return floor
+
+
+def _candidate_floor(l, z, top_p: float, k: int):
+    """(floor (B, 1), covered (B,)) from the k most likely tokens: kept ranks are those whose strictly-more-likely
+    mass (exclusive cumulative sum) is below top_p; covered: a rank among the k is dropped (or k is the vocabulary)."""
+    vals = torch.topk(l, k).values  # (B, k), descending
+    p = torch.exp(vals - l.amax(-1, keepdim=True)) / z
+    above = torch.cumsum(p, -1) - p  # (B, k) mass before each rank
+    kept = (above < top_p).sum(-1, keepdim=True).clamp_(min=1)  # (B, 1) a prefix of the ranks
+    return vals.gather(1, kept - 1), (kept.squeeze(1) < k) | (k == l.shape[-1])
+
+
+def _bisect_floor(l, e, target):
+    """(B, 1) the smallest logit x with sum(e[l > x]) < target, by 32 halvings over float32 bit patterns (ordered as
+    integers): the answer is always one of the row's logits."""
+    assert l.dtype == torch.float32, "the draw's logits are float32"
+    hi = _ordered(l.amax(-1, keepdim=True))  # (B, 1) int64: the maximum qualifies (nothing above it)
+    lo = torch.full_like(hi, -(1 << 31) - 1)  # below every float32
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        ok = (e * (l > _float(mid))).sum(-1, keepdim=True) < target
+        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
+    return _float(hi)
+
+
+def _ordered(x):
+    """float32 -> int64 with the floats' order (x < y iff _ordered(x) < _ordered(y))."""
+    i = x.view(torch.int32).long()
+    return torch.where(i >= 0, i, i ^ 0x7FFFFFFF)
+
+
+def _float(k):
+    """Inverse of _ordered."""
+    return torch.where(k >= 0, k, k ^ 0x7FFFFFFF).int().view(torch.float32)
+
+
+def _ban_(l, ban):
+    """l[b, ban[b]] = -inf where ban[b] >= 0 and another token keeps a finite logit (a ban on the only token with
+    mass is lifted): fixed shapes, no host sync."""
+    hit = torch.arange(l.shape[-1], device=l.device)[None, :] == ban[:, None]  # (B, V)
+    others = (torch.isfinite(l) & ~hit).any(-1, keepdim=True)  # (B, 1)
+    return l.masked_fill_(hit & others, -math.inf)
+
+
+def keyed_draw(l, keys, pos, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, fused: bool = False,
+               scratch=None, ban=None):
+    """(token, log-prob, entropy), each (B,), of keyed Gumbel-max draws on float32 logits l (B, V), modified in place:
+    the processor's draw as a function (the engine's decode step calls it, also inside a captured CUDA graph).
+    keys (B,) int64 turn keys, pos int or (B,) positions in the turn; scratch: _keyed_race's optional buffers.
+    ban (B,) token ids or -1: row b draws from the sampling law (after top-k / top-p) restricted to v != ban[b] (a
+    token fork), and records that restricted law's log-prob and entropy."""
+    if temperature == 0:  # greedy: argmax of the logits, statistics of softmax(logits)
+        if ban is not None:
+            _ban_(l, ban)
+        token = l.argmax(-1)
+        log_p = torch.log_softmax(l, -1)
+        return token, log_p.gather(1, token[:, None]).squeeze(1), -(log_p.exp() * log_p.nan_to_num()).sum(-1)
+    if temperature != 1:
+        l.div_(temperature)
+    _mask_top_k_top_p(l, top_k, top_p)
+    if ban is not None:
+        _ban_(l, ban)
+    seeds, weyl = _row_seeds(keys, pos), _weyl(l.shape[1], l.device)
+    if fused:
+        race = _COMPILED.setdefault("race", torch.compile(_keyed_race, dynamic=True))
+        return race(l, seeds, weyl)
+    return _keyed_race(l, seeds, weyl, *(scratch or ()))
 
 
 class KeyedGumbelProcessor(LogitsProcessor):
@@ -208,6 +317,10 @@ class KeyedGumbelProcessor(LogitsProcessor):
     it whatever it would do with ties (and no (B, V) write). T = 0 is greedy (no noise). It records, per row and step,
     the token's log-prob under the sampling distribution and the entropy of that distribution (at T = 0: those of
     softmax(logits)); finished rows (`rows`, set by TurnStopper) are skipped and record nan.
+
+    keyer (optional, set by the engine): keyer(input_ids, n) -> ((B,) keys, (B,) positions, (B,) banned token or -1,
+    or None) of the n-th draw of every row: rows that start inside a turn or draw a fork token (rows.TurnStart),
+    and the text-line reading of keys; without it row b draws with keys[b] at position n.
     """
 
     def __init__(self, turn_keys, start_len: int, temperature=1.0, top_k=0, top_p=1.0, fused=False):
@@ -216,14 +329,17 @@ class KeyedGumbelProcessor(LogitsProcessor):
         self.temperature, self.top_k, self.top_p, self.fused = temperature, top_k, top_p, fused
         self.rows = None  # (b,) indices of rows still generating; None = all
         self.logprobs, self.entropy = [], []  # one (B,) tensor per step
+        self.keyer = None
         self._buffers = None
 
     def __call__(self, input_ids, scores):  # (B, L), (B, V) float32, a copy owned by generate
         pos = input_ids.shape[1] - self.start_len
-        rows = self.rows
+        keys, ban, rows = self.keys, None, self.rows
+        if self.keyer is not None:
+            keys, pos, ban = self.keyer(input_ids, pos)
+        pick = lambda x: x if rows is None or not torch.is_tensor(x) else x.index_select(0, rows)  # noqa: E731
         logits = scores if rows is None else scores.index_select(0, rows)  # (b, V)
-        keys = self.keys if rows is None else self.keys.index_select(0, rows)
-        token, logprob, entropy = self._draw(logits, keys, pos)
+        token, logprob, entropy = self._draw(logits, pick(keys), pick(pos), None if ban is None else pick(ban))
         if rows is None:
             rows = torch.arange(scores.shape[0], device=scores.device)
             self.logprobs.append(logprob)
@@ -234,19 +350,9 @@ class KeyedGumbelProcessor(LogitsProcessor):
         scores[rows, token] = math.inf
         return scores
 
-    def _draw(self, l, keys, pos):
-        if self.temperature == 0:  # greedy: argmax of the logits, statistics of softmax(logits)
-            token = l.argmax(-1)
-            log_p = torch.log_softmax(l, -1)
-            return token, log_p.gather(1, token[:, None]).squeeze(1), -(log_p.exp() * log_p.nan_to_num()).sum(-1)
-        if self.temperature != 1:
-            l.div_(self.temperature)
-        _mask_top_k_top_p(l, self.top_k, self.top_p)
-        seeds, weyl = _row_seeds(keys, pos), _weyl(l.shape[1], l.device)
-        if self.fused:
-            race = _COMPILED.setdefault("race", torch.compile(_keyed_race, dynamic=True))
-            return race(l, seeds, weyl)
-        return _keyed_race(l, seeds, weyl, *self._scratch(l))
+    def _draw(self, l, keys, pos, ban=None):
+        scratch = None if self.fused or self.temperature == 0 else self._scratch(l)
+        return keyed_draw(l, keys, pos, self.temperature, self.top_k, self.top_p, self.fused, scratch, ban)
 
     def _scratch(self, l):
         """(b, V) views of per-call buffers: e, x, tmp, f (allocated once, at the first step's full batch)."""

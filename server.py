@@ -1,8 +1,9 @@
 """Search-R1 compatible retrieval server (Search-R1's retrieval_server.py) over retriever.py, and its load bench.
 
 The server knows HTTP, request checks, rounds of queries and their threads; it knows nothing of encoders, FAISS or
-the corpus: every search is `DenseRetriever.search_batch` from retriever.py, so an answer over HTTP equals an
-in-process search bit for bit (retriever.py, Determinism (1) and (2)). retriever.py never imports this file.
+the corpus: every search is `DenseRetriever.search_batch` from retriever.py (a dense folder, or a BM25 one: bm25.py),
+so an answer over HTTP equals an in-process search bit for bit (retriever.py, Determinism (1) and (2)). retriever.py
+never imports this file.
 
 Contract (DESIGN.md sections 3, 10 and 12; Search-R1 compatible)
 - POST /retrieve {"queries": [str, ...], "topk": k, "return_scores": bool}
@@ -451,7 +452,7 @@ class RetrievalServer:
                  max_queries: int = MAX_QUERIES, head_timeout: float = HEAD_TIMEOUT,
                  body_timeout: float = BODY_TIMEOUT, workers=None, max_query_bytes: int = MAX_QUERY_BYTES,
                  max_connections=None):
-        workers = default_workers(retriever.encoder.device) if workers is None else workers
+        workers = default_workers(torch.device(retriever.encoder.device)) if workers is None else workers
         self.batcher = Batcher(retriever, workers=workers, tokenize=retriever.encoder.query_features)
         self.retriever = retriever
         budget = descriptor_budget()  # the index and the encoder are loaded: their descriptors are counted
@@ -698,7 +699,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--device", default=None if p is not bench else "cpu", help="default: cuda if any, else cpu")
     server.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
     server.add_argument("--index_fp16", action="store_true", help="the index's GPU shards in float16, answers "
-                        "certified exact (half the memory on each GPU beside training; DEVIATION S17)")
+                        "certified exact (half the memory on each GPU beside training; DEVIATION S21)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0].startswith("--") and argv[0] != "--help":  # Search-R1's launch line names no subcommand
         argv = ["serve", *argv]
@@ -709,8 +710,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ranges |= {name: (1, None, "") for name in ("max_queries", "max_query_bytes", "max_connections", "clients",
                                                  "requests", "queries", "big", "threads")}
     check_flags(parser, args, ranges)
-    if args.command == "serve" and "bm25" in args.retriever_name.lower():
-        parser.error("--retriever_name bm25: only dense retrievers are served here")
+    if args.command == "serve" and "bm25" in args.retriever_name.lower() and not os.path.isfile(
+            os.path.join(args.index, "meta.json")):  # a pyserini (Lucene) index: Java's format, not read here
+        parser.error(f"--retriever_name bm25: {args.index} is not an index folder of retriever.py; build a BM25 one "
+                     "with `python retriever.py build --encoder bm25 --corpus CORPUS --out DIR` (bm25.py)")
     if args.command == "serve" and os.path.isfile(args.index) and not args.corpus:
         parser.error(f"--index_path {args.index} is an index file: give its corpus with --corpus_path")
     return args

@@ -15,7 +15,11 @@ Learning" (arXiv 2610.31544); reference design: DESIGN.md sections 5-6. One step
      (1 - rho) x the variance of an independent counterfactual. Self-twins (y' == y_t) and
      same-evidence searches cost no rollout (D_t = 0).
   5. Horvitz-Thompson:  A_hat_t = 1[branched] mean_j D_t^j / q_t
-  6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega A_hat_t / sigma_hat
+  6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega A_hat_t / sigma_hat,
+     sigma_hat a scale of D itself (twin_scale = d), so omega means the same at every budget.
+  twin_unit = token (forks.py): the twin forks one token k ~ r_t of the turn (y_t[:k] kept, y_k banned,
+  the factual keys after it), p_t and c_t are the fork law's, and token k alone gets
+  omega (1 - pi_k) mean_j D^j / (q_t r_t(k) sigma_hat), unbiased for Q(s_k, y_k) - V(s_k) over sigma_hat.
   7. PPO-clip on token ratios (clip 0.2), token mean over loss-masked tokens, k3 KL to the
      frozen reference.
 omega = 0 is GRPO (no twins); --method=NAME trains a baseline (methods.py registry) through the same loop: its
@@ -30,11 +34,14 @@ Launch:
   make demo                                            # CPU, built-in tiny world, minutes
   python train_twice.py --help                         # every option, its default and meaning
   python train_twice.py configs/qwen2.5-3b.cfg --steps=5                   # one GPU, real model
+  python train_twice.py configs/demo.cfg --lora_rank=8 --lora_alpha=16 --lr=2e-3   # LoRA adapters (lora.py)
   accelerate launch --config_file configs/accelerate_zero2.yaml train_twice.py \
       configs/qwen2.5-3b.cfg                                               # 8 GPUs (DeepSpeed ZeRO-2)
   ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
       train_twice.py configs/demo.cfg                                      # 2 CPU ranks
 """
+import numerics  # noqa: F401  first: pins the CPU math libraries before numpy and torch load (numerics.py)
+
 import contextlib
 import copy
 import datetime
@@ -51,8 +58,11 @@ import baselines
 import checkpoint
 import config
 import credit
+import engine
 import eval as qa_eval
+import forks
 import logprobs
+import lora
 import methods
 import protocol
 import report
@@ -86,7 +96,9 @@ class Config:
     top_k: int = 0                  # top-k applied before the noise; 0 = off
     gen_batch_size: int = 64        # rows per generate call
     keep_caches: bool = True        # episodes keep KV caches for their twins; False: dropped at episode end (memory)
-    fused_sampler: bool = False     # torch.compile the keyed sampler (GPU)
+    fused_sampler: bool = True      # torch.compile the keyed draw (on CUDA; the CPU stays eager)
+    sync_every: int = 16            # decode steps between read-backs of sampled tokens to the host (cached engine)
+    cuda_graphs: bool = False       # replay the decode step as CUDA graphs, one per shape (cached engine, CUDA)
     # --- credit (DESIGN 5, 7) ---
     method: str = "twice"           # twice, or a baseline of methods.py's registry (grpo, vineppo, ...)
     omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (method=grpo)
@@ -97,7 +109,14 @@ class Config:
     budget_rule: str = "sqrt"       # "sqrt" (q ~ sqrt(p / c)) or "uniform" (one q for all)
     same_evidence_shortcut: bool = True  # D = 0, no rollout, when both searches get the same ids
     twin_chunk: int = 0             # twins rolled out together, chunk after chunk (GPU memory, DESIGN 10); 0 = all
-    scale_decay: float = 0.9        # EMA decay of sigma_hat (RMS of the nonzero A_hat)
+    twin_unit: str = "turn"         # "turn": a twin re-samples y_t whole (the paper); "token": it forks at one token
+    #                                 k ~ r_t of the turn and credits that token (forks.py, DESIGN 5)
+    fork_floor: float = 0.1         # token unit: share of the fork law r_t spread evenly over the turn's tokens
+    twin_scale: str = "d"           # sigma_hat: "d" (RMS of D per decision, Horvitz-Thompson: the same at every
+    #                                 budget) or "rms" (RMS of the nonzero A_hat = D / q: the first form, ~1/q)
+    scale_decay: float = 0.9        # EMA decay of sigma_hat
+    line_keys: str = "group"        # "line" of the key tuple: "group" (the sample's line in its group) or "text" (the
+    #                                 text line inside the turn: keys restart after every newline), DESIGN 5
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
     # --- baselines (DESIGN 7; baselines.py, learned.py): read only by the method they name ---
     vine_k: int = 9                 # vineppo: K Monte Carlo continuations per turn boundary (Kazemnejad et al.: 9)
@@ -134,6 +153,11 @@ class Config:
     gradient_checkpointing: bool = False  # trade compute for memory (real models)
     ref_offload: bool = False       # the reference stays in host memory but for its log-prob pass (GPU memory)
     collective_timeout_h: float = 6.0  # hours a collective may wait for a rank before the run fails (torch: 10 min)
+    # --- lora (DESIGN 6, lora.py): train adapters W' = W + (alpha / r) B A instead of every weight ---
+    lora_rank: int = 0              # r, rank of the adapters (lora.py); 0 = off: full fine-tuning
+    lora_alpha: float = 32.0        # alpha: the adapters' update is scaled by alpha / r (dimensionless)
+    lora_dropout: float = 0.0       # dropout probability on the adapters' input; only 0 (lora.checks says why)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules given adapters (Qwen2's)
     # --- run ---
     seed: int = 0                   # run seed: prompt order, every sampling key, branch draws
     eval_every: int = 50            # steps between greedy evaluations (0 = only at the end)
@@ -163,7 +187,7 @@ class Config:
                     "twins_per_decision": 1, "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0,
                     "kl_coef": 0, "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0,
-                    "keep_checkpoints": 0, "log_episodes": 0}
+                    "keep_checkpoints": 0, "log_episodes": 0, "sync_every": 1}
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1, "collective_timeout_h": 0}
         unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
@@ -171,11 +195,15 @@ class Config:
                 [(k, 0 < getattr(self, k) <= 1, "in (0, 1]") for k in unit] +
                 [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
                  ("budget_rule", self.budget_rule in ("sqrt", "uniform"), "'sqrt' or 'uniform'"),
+                 ("twin_unit", self.twin_unit in ("turn", "token"), "'turn' or 'token'"),
+                 ("fork_floor", 0 < self.fork_floor <= 1, "in (0, 1]"),
+                 ("twin_scale", self.twin_scale in ("d", "rms"), "'d' or 'rms'"),
+                 ("line_keys", self.line_keys in ("group", "text"), "'group' or 'text'"),
                  ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"),
                  ("omega", math.isfinite(self.omega), "finite"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
                  # below 1e-3, softmax(logits / T) is one-hot in float32: log-probs and entropies lose meaning
                  ("temperature", self.temperature >= 1e-3, ">= 0.001 (greedy evaluation is eval.py's)")]
-                + self.baseline_checks())
+                + self.baseline_checks() + lora.checks(self, methods.LEARNED))
 
     def baseline_checks(self) -> list:
         at_least = {"vine_k": 1, "hgpo_k": 0, "arpo_beam": 1, "tree_m": 1, "tree_l": 1, "estimator_lr_scale": 0,
@@ -194,19 +222,21 @@ def parse_config(argv) -> Config:  # preset files, then --key=value overrides (c
 class Run:
     """The objects a run holds, built once by main() and passed to every step."""
     accel: object                   # accelerate.Accelerator
-    policy: object                  # the trained model (wrapped by accelerate)
-    ref: object                     # frozen reference for the KL term
+    policy: object                  # the trained model (wrapped by accelerate); with LoRA: the base + peft's layers
+    ref: object                     # frozen reference for the KL term (None with LoRA: lora.reference)
     tok: object                     # tokenizer
     retriever: object               # DenseRetriever or RemoteRetriever
     opt: object                     # AdamW
     method: baselines.Method        # cfg.method's rollout and advantages (TWICE's: twin_credit)
     predictor: credit.DiscordancePredictor  # p_t of the budget rule
+    token_predictor: credit.DiscordancePredictor  # p_k of the fork law (twin_unit = token)
     sigma_hat: credit.RunningScale  # sigma_hat of the token advantage
     rows: list                      # training questions
     n_micro: int                    # micro-batches per mini-batch (gradient accumulation)
     weight_norm0: float = 0.0       # the initial weight norm (divergence check)
     tokens: int = 0                 # generated tokens so far, factual + aux (token_budget)
     episode_log: list = None        # this step's logged episodes (checkpoint.episode_rows), rank 0's
+    adapter: object = None          # peft.PeftModel around the policy when lora_rank > 0 (lora.attach), else None
     sampler: object = None          # during a step's rollout: the model episodes are sampled from (sampling_copy)
 
 
@@ -284,8 +314,10 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0}
 
 
-def weight_norm(accel, model) -> float:  # float32 norms per tensor: no float64 copy of the weights
-    norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float32) for p in accel.unwrap_model(model).parameters()]
+def weight_norm(accel, model) -> float:
+    """Norm of the trained weights (LoRA: the adapters'), float32 norms per tensor: no float64 copy of the weights."""
+    norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float32) for p in accel.unwrap_model(model).parameters()
+             if p.requires_grad]
     return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 
@@ -299,8 +331,9 @@ def sampling_copy(model, dtype=None):
     from it instead of under autocast keeps the KV caches in bf16 (RoPE under autocast gives fp32 keys over an fp32
     residual stream) and holds no autocast copy of the weights while the caches grow; freed when the step drops it."""
     params = list(model.parameters())
-    if dtype is None or all(p.dtype == dtype for p in params):
-        return model
+    frozen = [p for p in params if not p.requires_grad]
+    if dtype is None or all(p.dtype == dtype for p in params) or frozen and all(p.dtype == dtype for p in frozen):
+        return model  # LoRA: a base already in dtype, its float32 adapters cast by peft's layers (no copy)
     memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in params}
     clone = copy.deepcopy(model, memo)
     clone.__dict__.pop("forward", None)  # accelerate's autocast wrapper, bound to the original
@@ -351,8 +384,11 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
                 with accel.autocast():
                     adv, stats = run.method.advantages(run, step, episodes, batch, proto)
         finally:
+            # no pass below reads a KV cache: the episodes' entries and the engine's slot cache go now (the engine
+            # keeps its slot cache per model between calls; a sampling copy dies with it)
+            engine.free_cache(run.sampler)
             run.sampler = None
-            rollout.release_caches(episodes)  # no pass below reads a KV cache
+            rollout.release_caches(episodes)
         times["twins"] = time.time()
         run.episode_log = checkpoint.episode_rows(step, episodes, stats.get("twins", []), cfg.log_episodes,
                                                   accel.num_processes) if accel.is_main_process else []
@@ -361,8 +397,9 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         with accel.autocast():
             old_lp, ent = logprobs.batch_logprobs(policy, batch, cfg.temperature, cfg.micro_batch_size, True,
                                                   cfg.max_context)
-            with on_device(run.ref, accel.device):
-                ref_lp, _ = logprobs.batch_logprobs(run.ref, batch, cfg.temperature, cfg.micro_batch_size,
+            # LoRA: the policy with its adapters disabled; ref_offload: on the GPU for this pass only
+            with lora.reference(run) as ref, on_device(ref, accel.device):
+                ref_lp, _ = logprobs.batch_logprobs(ref, batch, cfg.temperature, cfg.micro_batch_size,
                                                     max_context=cfg.max_context)
 
     # 7. PPO-clip update with the k3 KL to the reference.
@@ -379,7 +416,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
                "weight_norm": norm, **update}
     if "twins" in stats:
         metrics.update(twin_stats(accel, stats["twins"], stats["n_decisions"], metrics["factual_tokens"]))
-        metrics.update(predictor_acc=stats["predictor_acc"], q_mean=stats["q_mean"], aux_tokens=metrics["twin_tokens"])
+        metrics.update({k: stats[k] for k in ("predictor_auc", "predictor_brier", "q_mean")},
+                       aux_tokens=metrics["twin_tokens"])
     else:
         metrics.update(reduce_stats(accel, stats))
     metrics.update({"time_rollout": times["rollout"] - times["start"],
@@ -390,51 +428,85 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
 
 
 def twin_credit(cfg: Config, run: Run, step: int, episodes, batch, proto) -> tuple:
-    """Steps 2-6 of TWICE: (B, L) token advantages A = A_traj + omega A_hat_t / sigma_hat and the twins' counters."""
+    """Steps 2-6 of TWICE: (B, L) token advantages A = A_traj + omega A_hat / sigma_hat and the twins' counters.
+    twin_unit = token: one fork token per branched turn carries the twin term (forks.py)."""
     accel, policy, G = run.accel, run.method.policy(run), cfg.group_size
     rewards = np.array([ep.reward for ep in episodes])
     factual_tokens = sum(ep.n_generated for ep in episodes)
+    token = cfg.twin_unit == "token"
     # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
     a_traj = run.method.trajectory_advantages(episodes)
-    a_hat = [np.zeros(len(ep.turns)) for ep in episodes]  # A_hat per turn: 0 unless branched
 
-    # 3. Budget rule: q_t from predicted discordance p_t and cost c_t; keyed branch draws.
+    # 3. Budget rule: q_t from predicted discordance p_t and cost c_t (token unit: the fork law's, over each turn's
+    #    tokens); keyed branch draws, and (token unit) the fork token k ~ r_t of each branched turn.
     #    DEVIATION T1: lambda is solved over this rank's decisions (its share of the budget).
     group_success = rewards.reshape(-1, G).mean(1).repeat(G)
     decisions = rollout.decision_table(episodes, group_success)
-    budget = credit.solve_budget(run.predictor.predict(decisions.features), decisions.cost,
-                                 cfg.twin_budget * factual_tokens, cfg.q_min, cfg.budget_rule)
-    u = [sampler.branch_uniform(cfg.seed, step, episodes[i].uid, episodes[i].line, t) for i, t in decisions.index]
-    branched = credit.branch_mask(budget.q, np.array(u))
+    if token:  # DEVIATION F1: a fork at one token k ~ r_t of the turn, not the whole turn re-sampled
+        table = forks.token_table(episodes, decisions, run.tok)
+        law = forks.fork_law(table, run.token_predictor.predict(table.features), cfg.fork_floor)
+        p, cost, pred, X = law.p, law.cost, run.token_predictor, table.features
+    else:
+        p, cost, pred, X = run.predictor.predict(decisions.features), decisions.cost, run.predictor, decisions.features
+    budget = credit.solve_budget(p, cost, cfg.twin_budget * factual_tokens, cfg.q_min, cfg.budget_rule)
+    keys = [(cfg.seed, step, episodes[i].uid, episodes[i].line, t) for i, t in decisions.index]
+    branched = credit.branch_mask(budget.q, np.array([sampler.branch_uniform(*key) for key in keys]))
+    row = np.arange(len(keys))  # the predictor's row of each decision: itself, or its fork token's
+    if token:
+        for n in np.flatnonzero(branched):
+            lo, hi = table.offsets[n], table.offsets[n + 1]
+            row[n] = lo + forks.draw_fork(law.r[lo:hi], forks.fork_uniform(*keys[n]))
 
-    # 4. Twins of the branched decisions: y' at turn t, then the factual keys (same luck).
+    # 4. Twins of the branched decisions: y' at turn t (or at its fork token), then the factual keys (same luck).
     pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(cfg.twins_per_decision)]
     requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j) for n, j in pairs]
+    ks = [int(row[n] - table.offsets[n]) for n, _ in pairs] if token else None
     branching = {id(ep) for ep, _, _ in requests}  # memory: the other caches die before any twin runs
     rollout.release_caches([ep for ep in episodes if id(ep) not in branching])
     twins = rollout.run_twins(policy, run.tok, run.retriever, requests, proto, cfg.coupling,
-                              cfg.same_evidence_shortcut, run.method.independent_twins, cfg.twin_chunk, release=True)
+                              cfg.same_evidence_shortcut, run.method.independent_twins, ks, cfg.twin_chunk,
+                              release=True)
 
-    # 5. Horvitz-Thompson credit A_hat_t = 1[branched] mean_j D_t^j / q_t; the predictor learns from the whole
-    #    batch's twins (same model on every rank); sigma_hat: the RMS of A_hat.
+    # 5. Horvitz-Thompson credit A_hat = 1[branched] mean_j D^j / q_t (token unit: x (1 - pi_k) / r_t(k)); the
+    #    predictor learns from the whole batch's twins (same model on every rank), scored first (AUC, Brier).
     diffs = [[] for _ in decisions.index]
     for (n, _), twin in zip(pairs, twins):
         diffs[n].append(twin.diff)
-    a_hat_flat = credit.ht_credit(diffs, branched, budget.q)
-    for (i, t), a in zip(decisions.index, a_hat_flat):
-        a_hat[i][t] = a
-    labels = gather_list(accel, [(decisions.features[n].tolist(), float(twin.diff != 0))
-                                 for (n, _), twin in zip(pairs, twins)])
-    n_features = decisions.features.shape[1]
-    predictor_acc = run.predictor.update(np.array([x for x, _ in labels]).reshape(-1, n_features),
-                                         [y for _, y in labels])
-    run.sigma_hat.update(gather_list(accel, a_hat_flat[branched].tolist()))
+    a_flat = (forks.fork_credit(diffs, branched, budget.q, law.r[row], table.pi[row]) if token else
+              credit.ht_credit(diffs, branched, budget.q))
+    # DEVIATION F1: the token predictor learns from the fork tokens the law drew (no importance weights)
+    labels = gather_list(accel, [(X[row[n]].tolist(), float(twin.diff != 0)) for (n, _), twin in zip(pairs, twins)])
+    auc, brier = pred.update(np.array([x for x, _ in labels]).reshape(-1, X.shape[1]), [y for _, y in labels])
+    sigma = scale_step(cfg, run, accel, diffs, branched, budget.q, a_flat)
 
-    # 6. Token advantage A = A_traj + omega A_hat_t / sigma_hat on the sampled tokens of turn t.
-    turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, run.sigma_hat.value)
+    # 6. Token advantage A = A_traj + omega A_hat / sigma_hat on the sampled tokens of turn t (token unit: on the
+    #    fork token k alone; the turn's other tokens carry A_traj).
+    a_hat = [np.zeros(len(ep.turns)) for ep in episodes]
+    if not token:
+        for (i, t), a in zip(decisions.index, a_flat):
+            a_hat[i][t] = a
+    turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, sigma)
     adv = credit.spread_over_tokens(turn_adv, rollout.turn_spans(episodes), batch["input_ids"].shape[1])
-    return adv, {"twins": twins, "n_decisions": len(decisions.index), "predictor_acc": predictor_acc,
+    if token:
+        for n in np.flatnonzero(branched):
+            i, t = decisions.index[n]
+            adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start + row[n] - table.offsets[n]] += \
+                cfg.omega * a_flat[n] / sigma
+    return adv, {"twins": twins, "n_decisions": len(decisions.index), "predictor_auc": auc, "predictor_brier": brier,
                  "q_mean": float(budget.q.mean()) if len(decisions.index) else 0.0}
+
+
+def scale_step(cfg: Config, run: Run, accel, diffs, branched, q, a_flat) -> float:
+    """sigma_hat of this batch. twin_scale = d: the value from the batches before (so over this batch's branch draws
+    E[A_hat / sigma_hat] = (Q - V) / sigma_hat at any q), then updated with the batch's Horvitz-Thompson mean of D^2
+    per decision over every rank; rms: updated with the RMS of the batch's nonzero A_hat first (the first form)."""
+    if cfg.twin_scale == "rms":
+        return run.sigma_hat.update(gather_list(accel, a_flat[branched].tolist()))
+    # DEVIATION C6: the paper's "running scale" read as a scale of D per decision, from the batches before this one
+    sigma = run.sigma_hat.value
+    total, n = np.sum(gather_list(accel, [(credit.ht_mean_square(diffs, branched, q) * len(q), len(q))]), axis=0)
+    run.sigma_hat.update_d(total / n if n else 0.0)
+    return sigma
 
 
 TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant", "twin_tokens")
@@ -480,9 +552,12 @@ def run_eval(cfg, run, rows) -> dict:
     """Greedy EM on the eval rows, over ranks: {"eval_em": mean over sources, "eval_em/<source>": ..}."""
     policy = run.accel.unwrap_model(run.policy)
     policy.eval()
-    with torch.no_grad(), run.accel.autocast():
-        return qa_eval.evaluate_on_ranks(run.accel, policy, run.tok, run.retriever, rows,
-                                         protocol.protocol_from(cfg, greedy=True), gather_list)
+    try:
+        with torch.no_grad(), run.accel.autocast():
+            return qa_eval.evaluate_on_ranks(run.accel, policy, run.tok, run.retriever, rows,
+                                             protocol.protocol_from(cfg, greedy=True), gather_list)
+    finally:
+        engine.free_cache(policy)  # the engine's slot cache is not held through the training steps after it
 
 
 def weights_spread(accel, model) -> float:
@@ -490,6 +565,21 @@ def weights_spread(accel, model) -> float:
     s = sum(p.detach().double().sum() for p in accel.unwrap_model(model).parameters())
     all_s = accel.gather(s.reshape(1).to(accel.device))
     return float(all_s.max() - all_s.min())
+
+
+def reference_model(cfg: Config, device):
+    """The frozen reference in the rollout dtype: on the GPU, or with ref_offload in host memory (pinned, if the
+    system lets every rank pin it: read asynchronously) until its log-prob pass moves it (on_device)."""
+    ref, _ = qa_eval.load_policy(cfg.model, "cpu" if cfg.ref_offload else device,
+                                 torch.bfloat16 if cfg.bf16 else torch.float32)
+    ref.requires_grad_(False)
+    if cfg.ref_offload and device.type == "cuda":
+        try:
+            for p in ref.parameters():
+                p.data = p.data.pin_memory()
+        except RuntimeError as e:
+            print(f"ref_offload: the reference stays in pageable host memory ({e})", file=sys.stderr)
+    return ref
 
 
 def setup(cfg: Config) -> Run:
@@ -507,29 +597,37 @@ def setup(cfg: Config) -> Run:
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=cfg.collective_timeout_h))
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", gradient_accumulation_steps=n_micro,
                         cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
+    if accel.device.type == "cpu":  # the same figures on every x86-64 CPU (DESIGN.md section 9), or a clear refusal
+        numerics.require("this CPU training run")
+    if cfg.lora_rank and accel.distributed_type == "DEEPSPEED":  # its save_state writes the whole model
+        raise ValueError("lora_rank > 0 runs under DDP (configs/accelerate_ddp.yaml), not DeepSpeed: the adapters' "
+                         "gradients and AdamW state are small enough to hold whole on each GPU (python lora.py memory)")
     torch.manual_seed(cfg.seed)
     half = torch.bfloat16 if cfg.bf16 else torch.float32
     deepspeed = accel.distributed_type == DistributedType.DEEPSPEED
     if deepspeed:  # no dataloader tells DeepSpeed its micro-batch: the preset's, whatever the shared JSON says
         accel.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
-    policy, tok = qa_eval.load_policy(cfg.model, accel.device, half if deepspeed else torch.float32)
-    ref, _ = qa_eval.load_policy(cfg.model, "cpu" if cfg.ref_offload else accel.device, half)
-    ref.requires_grad_(False)
-    if cfg.ref_offload and accel.device.type == "cuda":  # a pinned host copy is read asynchronously, if the system
-        try:                                              # lets 8 ranks pin it; else it is read from pageable memory
-            for p in ref.parameters():
-                p.data = p.data.pin_memory()
-        except RuntimeError as e:
-            print(f"ref_offload: the reference stays in pageable host memory ({e})", file=sys.stderr)
-    if cfg.gradient_checkpointing:
+    # fp32 master weights; DeepSpeed: its bf16 module (it keeps the fp32 partition); LoRA: bf16 base if bf16
+    policy, tok = qa_eval.load_policy(cfg.model, accel.device, half if deepspeed else lora.base_dtype(cfg))
+    if cfg.gradient_checkpointing:  # also makes the embeddings' output require grad: LoRA's gradients flow back
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    adapter, ref = None, None
+    # DEVIATION T2: lora_rank > 0 trains LoRA adapters on a frozen (bf16 with bf16 on) base, not every weight
+    if cfg.lora_rank:  # the base frozen, peft's layers in it; the reference is the base itself (lora.reference)
+        adapter = lora.attach(policy, cfg)
+        accel.register_save_state_pre_hook(lora.adapter_only)  # trainer/ holds the adapters, not the base
+    else:
+        ref = reference_model(cfg, accel.device)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay)
     policy, opt = accel.prepare(policy, opt)
     rows = qa_eval.load_qa(cfg.train_data)
     qa_eval.refuse_long_prompts(rows, tok, cfg.max_context, cfg.max_new_tokens, cfg.train_data)  # before any rollout
     return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt,
-               methods.make(cfg), credit.DiscordancePredictor(), credit.RunningScale(cfg.scale_decay), rows,
-               n_micro, weight_norm(accel, policy))
+               methods.make(cfg), credit.DiscordancePredictor(),
+               credit.DiscordancePredictor(features=forks.TOKEN_FEATURES),
+               credit.RunningScale(cfg.scale_decay, cfg.twin_scale), rows, n_micro, weight_norm(accel, policy),
+               adapter=adapter)
 
 
 def main(cfg: Config):

@@ -30,7 +30,13 @@ Launch:
   python world.py --out /tmp/tw --seed 0 --scale test --force   # small world for the test suite
   python world.py --out data/chains --preset chains --seed 0    # the chains world, ~10 min on one thread
   python world.py --calibration data/chains                     # a built chains world's stop calibration
+  python world.py --verify data/chains                          # compare a built world with worlds.lock
+
+Every build runs on pinned numerics (numerics.py, imported first) and is compared with its worlds.lock entry
+(world_lock.py): a build that differs is a different world, and the CLI exits with status 1 unless ALLOW_UNPINNED=1.
 """
+import numerics  # noqa: F401  first: pins the CPU math libraries before numpy and torch load
+
 import argparse
 import json
 import os
@@ -41,6 +47,7 @@ import time
 import numpy as np
 
 import world_chains
+import world_lock
 import world_tiny
 from eval import write_jsonl
 from protocol import INSTRUCTION, INVALID_ACTION_MSG, information_block, user_message
@@ -316,7 +323,7 @@ def build_world(out, seed=0, scale="full", force=False, threads=1, preset="tiny"
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tinyworld-", dir=parent)
     try:
-        stats = _build(tmp, seed, scale, out, PRESETS[preset])
+        stats = _build(tmp, seed, scale, out, preset)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(tmp, out)
@@ -328,9 +335,10 @@ def build_world(out, seed=0, scale="full", force=False, threads=1, preset="tiny"
     return stats
 
 
-def _build(tmp, seed, scale, out, preset):
-    """The world of `preset` (a PRESETS row) into `tmp`: corpus and index, questions, tokenizer, BC policy, stats."""
+def _build(tmp, seed, scale, out, name):
+    """The world of the preset `name` into `tmp`: corpus and index, questions, tokenizer, BC policy, stats."""
     import torch
+    preset = PRESETS[name]
     sc, t0, times = preset["scales"][scale], time.time(), {}
     world, retr, top, check = fix_retrieval(preset["make_world"](seed, scale), preset, tmp, seed)
     split = {s: preset["question_rows"](world, s) for s in ("train", "test")}
@@ -349,12 +357,12 @@ def _build(tmp, seed, scale, out, preset):
     model.save_pretrained(os.path.join(tmp, "policy"))
     tok.save_pretrained(os.path.join(tmp, "policy"))
     times["bc_s"], t = time.time() - t, time.time()
-    stats = preset["stats"](model, tok, retr, world, split, top, demos, seed, sc, times)
+    stats = {"preset": name, **preset["stats"](model, tok, retr, world, split, top, demos, seed, sc, times)}
     stats["bc"] = {"steps": len(losses), "batch": sc["bc_batch"], "episodes": len(encoded), "lr": sc["lr"],
                    "params": sum(p.numel() for p in model.parameters()), "vocab": len(tok),
                    "loss_first10": float(np.mean(losses[:10])), "loss_last10": float(np.mean(losses[-10:])),
                    "losses": [round(x, 4) for x in losses]}
-    stats["retrieval_check"], stats["times"] = check, times
+    stats["retrieval_check"], stats["numerics"], stats["times"] = check, numerics.describe(), times
     return _finish(tmp, out, world, stats, t0)
 
 
@@ -389,22 +397,50 @@ def main(argv=None):
     parser.add_argument("--out", help="output folder (must not exist or be empty, unless --force)")
     parser.add_argument("--calibration", metavar="WORLD", help="print a built chains world's stop calibration "
                         "(world_chains.stop_calibration) and exit")
+    parser.add_argument("--verify", metavar="WORLD", help="compare a built world with its worlds.lock entry and exit "
+                        "(status 1 on a difference unless ALLOW_UNPINNED=1)")
+    parser.add_argument("--lock", metavar="WORLD", help="write a built world's digests into worlds.lock (a world "
+                        "built on pinned numerics) and exit")
     parser.add_argument("--seed", type=int, default=0, help="world, demonstrations and BC seed")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="tiny (the demo's world) or chains (1- to 4-hop chains, long turns)")
     parser.add_argument("--scale", choices=sorted({s for p in PRESETS.values() for s in p["scales"]}), default="full",
                         help="full world, or a small one for tests")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: bit-for-bit repeatable BC)")
     args = parser.parse_args(argv)
     if args.calibration:
         print(json.dumps(world_chains.stop_calibration(args.calibration, seed=args.seed), indent=1))
         return
+    if args.verify:
+        return verify(args.verify)
+    if args.lock:
+        return lock(args.lock)
     if not args.out:
-        parser.error("--out is required (or --calibration WORLD)")
-    stats = build_world(args.out, args.seed, args.scale, args.force, args.threads, args.preset)
+        parser.error("--out is required (or --calibration, --verify or --lock WORLD)")
+    numerics.require("this world build")
+    stats = build_world(args.out, args.seed, args.scale, args.force, 1, args.preset)
     stats["bc"].pop("losses")
     print(json.dumps(stats, indent=1, default=float))
+    verify(args.out)
+
+
+def verify(folder):
+    """Print how a built world compares with worlds.lock; SystemExit(1) on a difference unless ALLOW_UNPINNED=1."""
+    try:
+        ok, message = world_lock.verdict(folder)
+    except (OSError, ValueError, KeyError) as e:  # no world there, or a bad lock line (named by read_lock)
+        raise SystemExit(f"world.py: cannot check {folder} against worlds.lock: {e}") from None
+    print(message, flush=True)
+    if not ok and not numerics.allowed():
+        raise SystemExit(f"world.py: {folder} is not the committed world (set {numerics.ALLOW}=1 to use it anyway)")
+
+
+def lock(folder):
+    with open(os.path.join(folder, "world.json"), encoding="utf-8") as f:
+        if not json.load(f)["stats"].get("numerics", {}).get("pinned"):
+            raise SystemExit(f"world.py: {folder} was not built on pinned numerics: its digests would not hold on "
+                             "another machine, so they are not locked")
+    print(f"worlds.lock: wrote {' '.join(map(str, world_lock.write_entry(folder)))}")
 
 
 if __name__ == "__main__":

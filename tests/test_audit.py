@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import audit
+import audit_methods
 import baselines
 import engine
 import methods
@@ -394,8 +395,8 @@ def method_setup():
     decisions = [(0, 0), (0, 1), (1, 0), (1, 1)]
     facts = audit.reroll(model, tok, retr, episodes, decisions, c, PROTO)
     line_eps = audit.group_lines(model, tok, retr, [QUESTION, other], c, PROTO)
-    return (audit.method_run(model, tok, retr), audit.method_config(c), facts, line_eps, decisions,
-            audit.method_calls(facts, line_eps, decisions, 2), [QUESTION, other])
+    return (audit_methods.method_run(model, tok, retr), audit_methods.method_config(c), facts, line_eps, decisions,
+            audit_methods.method_calls(facts, line_eps, decisions, 2), [QUESTION, other])
 
 
 def test_method_row_is_the_methods_advantage_at_the_decision_turn(method_setup):
@@ -404,13 +405,13 @@ def test_method_row_is_the_methods_advantage_at_the_decision_turn(method_setup):
     call."""
     run, mcfg, facts, line_eps, decisions, calls, _ = method_setup
     assert [len(eps) for _, _, eps in calls] == [6] * 4  # (t, r) calls, each with both prompts' groups of 3
-    est, aux = audit.method_estimates(baselines.GiGPO(mcfg), run, calls, (4, 2), PROTO, 0)
+    est, aux = audit_methods.method_estimates(baselines.GiGPO(mcfg), run, calls, (4, 2), PROTO, 0)
     assert np.all(aux == 0)
     bites = 0
     for n, (i, t) in enumerate(decisions):
         for r in range(2):
             f = facts[n * 2 + r]
-            group = [audit.rekeyed(f, t, r), *line_eps[i][r]]
+            group = [audit_methods.rekeyed(f, t, r), *line_eps[i][r]]
             adv, _ = baselines.GiGPO(mcfg).turn_advantages(run, 0, group, PROTO)
             assert est[n, r] == pytest.approx(adv[0][t], abs=1e-12), (n, r)
             bites += len(adv[0]) == 2 and abs(adv[0][t] - adv[0][1 - t]) > 1e-6
@@ -424,12 +425,59 @@ def test_learned_rows_train_their_estimator(method_setup, name):
     then restarts from that state, so the estimates do not depend on the calls before them."""
     run, mcfg, *_, calls, rows = method_setup
     method = methods.METHODS[name](dataclasses.replace(mcfg, lr=1e-3, prompts_per_step=8, micro_batch_size=32))
-    rec = audit.pretrain(method, run, rows, 3, PROTO)
+    rec = audit_methods.pretrain(method, run, rows, 3, PROTO)
     assert len(rec["losses"]) == 3 and all(math.isfinite(x) for x in rec["losses"]) and rec["rollout_tokens"] > 0
     assert (rec["aux_tokens"] > 0) == (name == "agentprm")  # AgentPRM's Monte Carlo continuations
     assert method.est.net.head.weight.abs().sum() > 0  # the head starts at zero (DEVIATION L1)
     head = method.est.net.head.weight.detach().clone()
-    est, aux = audit.method_estimates(method, run, calls, (4, 2), PROTO, 3)
-    again, _ = audit.method_estimates(method, run, calls[::-1], (4, 2), PROTO, 3)
+    est, aux = audit_methods.method_estimates(method, run, calls, (4, 2), PROTO, 3)
+    again, _ = audit_methods.method_estimates(method, run, calls[::-1], (4, 2), PROTO, 3)
     assert np.all(np.isfinite(est)) and np.array_equal(est, again)
     assert (aux.sum() > 0) == (name == "agentprm") and torch.equal(method.est.net.head.weight, head)
+
+
+def test_cli_token_forks_and_text_line_keys(tiny_world, tmp_path):
+    """--token_forks adds the token-fork rows beside the turn twins (with bootstrap SEs and the paired difference
+    against TWICE), the predictors' AUC and Brier, and the token agreement after the decision; --line_keys=text
+    reads the keys by text line (the turn-twin rows still run)."""
+    out = tmp_path / "forks"
+    res = audit.main(audit.parse_args([
+        "--world", tiny_world, "--out", str(out), "--decisions", "4", "--oracle_rollouts", "3", "--repeats", "2",
+        "--vine_k", "1", "--max_new_tokens", "6", "--max_turns", "1", "--progress", "false", "--method_rows=",
+        "--token_forks", "true", "--line_keys", "text"]))
+    rows = ("TWICE token (prior law)", "TWICE token", "TWICE token budgeted")
+    assert all(n in res["metrics"] for n in rows + ("TWICE", "TWICE budgeted"))
+    for n in rows:
+        m = res["metrics"][n]
+        assert m["aux_tokens"] >= 0 and m["var"] >= 0 and "corr_se" in m and "wrong_sign_se" in m
+    assert m["aux_tokens"] <= res["metrics"]["TWICE token"]["aux_tokens"]  # budgeted spends at most the full row
+    assert {"TWICE token - TWICE", "TWICE token budgeted - TWICE budgeted"} <= set(res["corr_differences"])
+    assert set(res["predictors"]) == {"turn", "token"} and set(res["predictors"]["token"]) >= {"auc", "brier"}
+    assert 0 <= res["coupling"]["token_agreement_coupled"] <= 1 and res["config"]["line_keys"] == "text"
+    md = (out / "audit.md").read_text()
+    assert "| TWICE token |" in md and "Token forks (forks.py)" in md and "Token agreement after the decision" in md
+    for d in json.loads((out / "audit.json").read_text())["decisions"]:
+        assert all(math.isfinite(x) for n in rows for x in d["estimates"][n])
+        agree = d["token_agreement"]  # per decision: (agree, compared) of coupled, independent, fork passes 1, 2
+        assert len(agree) == 8 and all(0 <= a <= c for a, c in zip(agree[::2], agree[1::2]))
+
+
+def test_compare_coupling_by_hand(tmp_path):
+    """report.py coupling: pooled token agreement and the variance ratio per audit with bootstrap SEs, and the paired
+    difference over the decisions two audits share (matched by question and turn)."""
+    def audit_json(name, rows, line_keys):
+        d = tmp_path / name
+        d.mkdir()
+        decisions = [{"question": q, "turn": t, "token_agreement": agree,
+                      "estimates": {"TWICE no shortcut": dc, "independent": di}} for q, t, agree, dc, di in rows]
+        (d / "audit.json").write_text(json.dumps({"config": {"line_keys": line_keys}, "decisions": decisions}))
+        return str(d)
+    a = audit_json("a", [("q1", 0, [3, 4, 1, 4], [1, 0], [1, -1]), ("q2", 1, [1, 6, 0, 6], [0, 0], [1, 0])], "group")
+    b = audit_json("b", [("q2", 1, [5, 6, 0, 6], [0, 0], [1, 0]), ("q3", 0, [0, 2, 0, 2], [1, 1], [0, 1])], "text")
+    rows = report.compare_coupling([a, b], draws=200).splitlines()
+    assert rows[0] == "| audit | line keys | decisions | coupled | independent | var ratio |"
+    # a: coupled (3 + 1) / (4 + 6) = 0.4; independent 1 / 10; var ratio mean(0.5, 0) / mean(2, 0.5) = 0.2
+    assert rows[2].startswith(f"| {a} | group | 2 | 0.400 +- ")
+    assert "| 0.100 +- " in rows[2] and "| 0.200 +- " in rows[2]
+    # paired on q2 alone: coupled 5/6 - 1/6; a single shared decision resamples to itself (SE 0)
+    assert rows[4] == f"| {b} - {a} (paired) | | 1 | +0.667 +- 0.000 | +0.000 +- 0.000 | +0.000 +- 0.000 |"

@@ -190,24 +190,42 @@ def test_featurize_columns():
     assert len(credit.FEATURES) == X.shape[1]
 
 
+def test_auc_and_brier_by_hand():
+    """AUC = share of (positive, negative) pairs ordered right, ties half; Brier = mean squared error."""
+    assert credit.auc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == 0.75  # 0.35 < 0.4 is the one pair out of order
+    assert credit.auc([0.5, 0.5, 0.5], [0, 1, 1]) == 0.5 and credit.auc([0.2, 0.9, 0.2], [1, 1, 0]) == 0.75
+    assert math.isnan(credit.auc([0.3, 0.7], [1, 1])) and math.isnan(credit.brier([], []))
+    assert credit.brier([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx((0.01 + 0.16 + 0.4225 + 0.04) / 4)
+    rng = np.random.default_rng(0)  # against the O(n^2) pair count, with many ties
+    p, y = rng.integers(0, 5, 300) / 4, rng.integers(0, 2, 300)
+    pos, neg = p[y == 1], p[y == 0]
+    pairs = (pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean()
+    assert credit.auc(p, y) == pytest.approx(pairs, abs=1e-12)
+
+
 def test_predictor_prior_then_learns():
     rng = np.random.default_rng(1)
     pred = credit.DiscordancePredictor(min_fit=64)
     X, y, p_true = _synthetic(rng, 40)
     assert np.all(pred.predict(X) == 0.5)
-    acc = pred.update(X, y)  # scored before fitting: the 0.5 prior predicts "discordant" everywhere
-    assert acc == y.mean() and pred.w is None  # 40 < min_fit: still the prior
+    auc, brier = pred.update(X, y)  # scored before fitting: the 0.5 prior ranks nothing, Brier 1/4
+    assert (auc, brier) == (0.5, 0.25) and pred.w is None  # 40 < min_fit: still the prior
     assert np.all(pred.predict(X) == np.clip(y.mean(), 0.02, 0.98))
     for _ in range(15):
         pred.update(*_synthetic(rng, 256)[:2])
     X, y, p_true = _synthetic(rng, 2000)
-    acc = pred.update(X, y)
-    bayes = np.mean((p_true >= 0.5) == (y == 1))
-    assert acc >= bayes - 0.03, (acc, bayes)
+    auc, brier = pred.update(X, y)
+    assert auc >= credit.auc(p_true, y) - 0.02 and brier <= credit.brier(p_true, y) + 0.01, (auc, brier)
+    assert (pred.auc, pred.brier) == (auc, brier)
     w = pred.w[:len(credit.FEATURES)]
     assert w[3] > 0 and w[6] < 0 and w[1] > 0  # entropy, turns_remaining, is_search signs as generated
     assert len(pred.y) == 4096 and pred.n_seen == 40 + 15 * 256 + 2000  # bounded buffer, all labels counted
-    assert 0 < pred.running_accuracy < 1
+    with pytest.raises(ValueError, match="columns"):
+        pred.update(np.zeros((2, 3)), [0, 1])
+    other = credit.DiscordancePredictor(features=("a", "b", "c"))  # any named columns
+    other.update(np.zeros((2, 3)), [0, 1])
+    with pytest.raises(ValueError, match="features"):
+        pred.load_state_dict(other.state_dict())
 
 
 def test_predictor_fit_matches_plain_optimiser():
@@ -236,7 +254,7 @@ def test_predictor_separable_and_clipped():
         X = credit.featurize(0, "search", rng.random(200) * 2, 0.5, 1, 1)
         pred.update(X, (X[:, 3] > 1.0).astype(float))
     X = credit.featurize(0, "search", rng.random(500) * 2, 0.5, 1, 1)
-    assert pred.update(X, (X[:, 3] > 1.0).astype(float)) >= 0.97
+    assert pred.update(X, (X[:, 3] > 1.0).astype(float))[0] >= 0.99
     p = pred.predict(X)
     assert p.min() == 0.02 and p.max() == 0.98 and np.all(np.isfinite(pred.w))
 
@@ -252,7 +270,7 @@ def test_predictor_state_dict_bit_exact():
     assert pred.predict(X).tobytes() == clone.predict(X).tobytes()
     assert pred.update(X, y) == clone.update(X, y)  # the resumed run keeps fitting identically
     assert pred.predict(X).tobytes() == clone.predict(X).tobytes()
-    assert pred.running_accuracy == clone.running_accuracy
+    assert (pred.auc, pred.brier) == (clone.auc, clone.brier)
 
 
 def test_running_scale():
@@ -267,3 +285,53 @@ def test_running_scale():
     t = credit.RunningScale()
     t.load_state_dict(json.loads(json.dumps(s.state_dict())))
     assert t.value == s.value and t.decay == 0.9
+    d = credit.RunningScale(decay=0.5, mode="d")  # a scale of D: sqrt of an EMA of mean squares
+    assert d.update_d(0.0) == 1.0 and d.update_d(4.0) == 2.0 and d.update_d(0.0) == 2.0
+    assert d.update_d(16.0) == pytest.approx(math.sqrt(10.0))
+    e = credit.RunningScale()
+    e.load_state_dict(json.loads(json.dumps(d.state_dict())))
+    assert (e.mode, e.value) == ("d", d.value)
+
+
+def _exact_twin_term(d, q, mode, omega=1.0, sigma_before=None):
+    """E over every branch pattern (2^n, each with its probability prod q or 1 - q) of the twin term
+    omega A_hat_t / sigma_hat of each decision, sigma_hat as the trainer's scale_step computes it (the first batch of
+    a run, or after a scale `sigma_before` of earlier batches): exact, no sampling."""
+    import itertools
+    n, out = len(d), np.zeros(len(d))
+    for pattern in itertools.product([False, True], repeat=n):
+        b = np.array(pattern)
+        prob = np.prod(np.where(b, q, 1 - q))
+        a_hat = credit.ht_credit(d[:, None], b, q)
+        scale = credit.RunningScale(mode=mode)
+        if sigma_before is not None:
+            scale.load_state_dict({"decay": 0.9, "mode": mode, "value": sigma_before ** (2 if mode == "d" else 1)})
+        if mode == "rms":
+            sigma = scale.update(a_hat[b])  # updated with the batch, then used (the first form)
+        else:
+            sigma = scale.value  # the batches before; then updated with ht_mean_square
+            scale.update_d(credit.ht_mean_square(d[:, None], b, q))
+        if sigma > 0:
+            out += prob * omega * a_hat / sigma
+    return out
+
+
+def test_twin_term_does_not_change_with_the_budget():
+    """Hand-built batch: 4 decisions with fixed twin differences D (deterministic twins) and a uniform branch
+    probability q (the budget). With twin_scale = d the exact expected twin term E[omega A_hat / sigma_hat] is
+    omega D / sigma at every q; with the first form (rms) it is q times that: it shrinks with the budget."""
+    d = np.array([1.0, -1.0, 1.0, 0.0])
+    for sigma_before in (None, 0.5):
+        terms = {q: _exact_twin_term(d, np.full(4, q), "d", sigma_before=sigma_before) for q in (0.1, 0.3, 0.7, 1.0)}
+        for q, term in terms.items():
+            np.testing.assert_allclose(term, d / (sigma_before or 1.0), rtol=1e-12, atol=1e-15)
+    rms = {q: _exact_twin_term(d, np.full(4, q), "rms") for q in (0.1, 0.3, 0.7, 1.0)}
+    for q, term in rms.items():
+        np.testing.assert_allclose(term, q * d, rtol=1e-12, atol=1e-15)  # (D / q) / (RMS of branched D / q) = D
+    # the scale itself: E[ht_mean_square] = mean D^2 per decision at every q (exact over the patterns)
+    import itertools
+    for q in (0.1, 0.5):
+        e = sum(np.prod(np.where(b, q, 1 - q)) * credit.ht_mean_square(d[:, None], np.array(b), np.full(4, q))
+                for b in itertools.product([False, True], repeat=4))
+        assert e == pytest.approx(np.mean(d ** 2), rel=1e-12)
+

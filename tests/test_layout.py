@@ -11,8 +11,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "*.py")))
-ORDER = ["config", "retriever", "protocol", "sampler", "engine", "credit", "logprobs", "rollout", "eval", "baselines",
-         "learned", "methods", "report", "checkpoint", "train_twice", "audit"]
+ORDER = ["config", "retriever", "protocol", "sampler", "stops", "kvcache", "rows", "engine", "credit", "logprobs",
+         "rollout", "forks", "eval", "baselines", "learned", "methods", "report", "lora", "checkpoint", "train_twice",
+         "audit_methods", "audit"]
 
 
 def imports_of(module: str) -> set:
@@ -51,7 +52,7 @@ def test_the_method_chain_imports_one_way():
 
 
 @pytest.mark.parametrize("script", ["train_twice.py", "audit.py", "eval.py", "report.py", "world.py", "data.py",
-                                    "retriever.py", "server.py"])
+                                    "retriever.py", "server.py", "lora.py", "numerics.py"])
 def test_every_script_answers_help(script):
     for flag in ("--help", "-h"):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, script), flag], capture_output=True, text=True,

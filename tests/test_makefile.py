@@ -35,13 +35,15 @@ def test_paths_with_spaces_and_quotes_arrive_whole(tmp_path):
     py = f"{venv}/bin/python"
     demo = words(make("demo", *paths))
     assert demo[demo.index("venv") + 1] == venv  # python3 -m venv <VENV>
-    assert after(demo, "--out", "world.py") == world and after(demo, "configs/demo.cfg") == f"--world={world}"
-    assert demo.count(py) >= 4  # pip twice, world.py, train_twice.py
+    assert demo[demo.index("--out", demo.index("world.py")) + 1] == world  # the build
+    assert after(demo, "--verify", "world.py") == world and after(demo, "configs/demo.cfg") == f"--world={world}"
+    assert demo.count(py) >= 5  # pip twice, world.py (build, then the check against worlds.lock), train_twice.py
     ev = words(make("eval", *paths))
     assert [after(ev, flag, "eval.py") for flag in ("--model", "--data", "--index")] == [
         model, f"{world}/test.jsonl", f"{world}/index"]
     audit = words(make("audit", *paths))
     assert after(audit, "--world", "audit.py") == world and after(audit, "--out", "audit.py") == "runs/audit-world"
+    assert after(audit, "--verify", "world.py") == world
     audit = words(make("audit", f"WORLD={base}/my world", f"AUDIT_OUT={base}/audit out"))
     assert after(audit, "--out", "audit.py") == f"{base}/audit out"
     assert words(make("audit", f"WORLD={base}/my world"))[-1] == "runs/audit-my world"  # the default, from WORLD
@@ -53,6 +55,8 @@ def test_paths_with_spaces_and_quotes_arrive_whole(tmp_path):
     cm = words(make("compare-methods", *paths, f"CMP={cmp}", "SEEDS=0 1", "METHODS=grpo twice"))
     assert cm[cm.index("mkdir") + 2] == cmp and f"{cmp}/$m-seed$s/metrics.jsonl" in cm
     assert {f"cmp={cmp}", f"world={world}", f"py={py}"} <= set(cm)  # the sh -c script reads them from its environment
+    assert after(cm, "--verify", "world.py") == world and after(dc, "--verify", "world.py") == world
+    assert after(words(make("compare-methods", "SEEDS=0", "METHODS=grpo")), "--verify", "world.py") == "data/chains"
     script = cm[cm.index("-c") + 1]
     assert base not in script and '--out_dir="$cmp/$0-seed$1"' in script
     for m, s in (("grpo", 0), ("twice", 1)):

@@ -64,3 +64,26 @@ def test_episodes_jsonl_is_cut_back_on_resume(tiny_world, tmp_path):
                      f"--resume={out}/step_000001"))
     assert [r["step"] for r in episodes(out)] == [0, 1] and episodes(out) == before  # step 1 again, identical
     assert [r["step"] for r in episodes(out, "episodes.jsonl.orphaned")] == [1]
+
+
+def test_replay_regenerates_token_fork_twins_token_for_token(tiny_world, tmp_path, capsys):
+    """twin_unit = token: the logged twins are forks (their token k logged), and replay brings each back token for
+    token (its given first tokens, the forked token, the rest on the factual keys), through twin_credit's fork law."""
+    out = str(tmp_path / "forks")
+    tt.main(tiny_cfg(tiny_world, out, "--steps=2", "--eval_every=0", "--save_every=1", "--log_episodes=3",
+                     "--twin_unit=token", "--log_tensorboard=false"))
+    rows = [r for r in episodes(out) if r["twins"]]
+    assert rows and all(isinstance(tw["k"], int) for r in rows for tw in r["twins"])
+    for r in rows[:2]:
+        assert replay.replay(replay.Replay(run=out, step=r["step"], uid=str(r["uid"]), line=r["line"],
+                                           twins=True)) == 0
+        text = capsys.readouterr().out
+        assert "tokens identical to episodes.jsonl" in text and text.count(" token ") >= len(r["twins"])
+    r = rows[0]
+    tampered = dict(r, twins=[dict(r["twins"][0], ids=r["twins"][0]["ids"][:-1] + [r["twins"][0]["ids"][-1] + 1])] +
+                    r["twins"][1:])  # one token of one logged twin changed: the check fails
+    lines = episodes(out)
+    with open(os.path.join(out, "episodes.jsonl"), "w") as f:
+        f.writelines(json.dumps(tampered if x == r else x) + "\n" for x in lines)
+    t = r["twins"][0]["turn"]
+    assert replay.replay(replay.Replay(run=out, step=r["step"], uid=str(r["uid"]), line=r["line"], twin=t)) == 1

@@ -528,7 +528,7 @@ def test_an_index_file_on_read_only_storage_gets_its_folder_in_the_cache(world, 
 
 
 def test_a_float16_index_answers_as_the_float32_index(world, fresh, monkeypatch):
-    """DEVIATION S17: float16 candidates, certified or searched again with more, give the float32 index's answers to
+    """DEVIATION S21: float16 candidates, certified or searched again with more, give the float32 index's answers to
     the bit; with no candidate margin and a bound 1000 times too wide every query is searched again, same answers."""
     half = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0, index_fp16=True)
     queries = queries_of_mixed_lengths(world.rows)

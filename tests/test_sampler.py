@@ -137,3 +137,25 @@ def test_cuda_noise_and_draw_equal_cpu():
         tokens[device, fused] = proc(torch.zeros(64, 0, dtype=torch.long, device=device),
                                      logits.to(device)).argmax(-1).cpu()
     assert all(torch.equal(t, tokens["cpu", False]) for t in tokens.values())
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.3])  # peaked: the 256 candidates hold the nucleus; flat: they do not
+def test_top_p_without_a_sort_keeps_the_sorted_nucleus(scale):
+    """The nucleus of the candidate path (CPU) and of the bisection (what CUDA runs, called here on the CPU) is the
+    definition computed in float64 over the fully sorted vocabulary: keep v iff the mass strictly above it < top_p."""
+    torch.manual_seed(3)
+    logits = torch.randn(48, 5000) * scale
+    logits[0, :8] = logits[0].max()  # eight tokens tied at the top of one row
+    for top_p in (0.3, 0.9, 0.95):
+        s = torch.sort(logits.double(), -1, descending=True).values
+        p = torch.softmax(s, -1)
+        kept = ((p.cumsum(-1) - p) < top_p).sum(-1, keepdim=True)
+        reference = logits >= s.gather(1, kept - 1).float()  # (B, V) the tokens the definition keeps
+        e = torch.exp(logits - logits.amax(-1, keepdim=True))
+        bisected = logits >= sampler._bisect_floor(logits, e, e.sum(-1, keepdim=True) * top_p)
+        masked = sampler._mask_top_k_top_p(logits.clone(), 0, top_p)
+        assert torch.equal(masked > -torch.inf, reference) and torch.equal(bisected, reference)
+        assert reference[0, :8].all()  # every token tied with a kept one is kept
+    e = torch.exp(logits - logits.amax(-1, keepdim=True))
+    covered = sampler._candidate_floor(logits, e.sum(-1, keepdim=True), 0.95, 256)[1]
+    assert covered.all() if scale > 1 else not covered.any()  # both branches ran

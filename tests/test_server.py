@@ -211,6 +211,33 @@ def test_search_r1_launch_line(world, fresh, tmp_path):
         S.parse_args(["--index_path", index_file, "--retriever_name", "bm25"])
 
 
+def test_a_bm25_folder_is_served_like_a_dense_one(world, tmp_path, capsys):
+    """`server.py` over a BM25 folder (bm25.py), launched with Search-R1's BM25 flags: its answers equal in-process
+    search bit for bit, over HTTP and through RemoteRetriever; a folder without meta.json (a pyserini Lucene index)
+    is refused naming the command that builds ours."""
+    index, port = str(tmp_path / "bm25"), free_port()
+    R.build_index(world.corpus, "bm25", index)
+    retriever = R.DenseRetriever(index, cache_size=0)
+    queries = [NAME0, "a king", "", "river " * 300, "Zorvak's unknown words"]
+    line = ["--index_path", index, "--retriever_name", "bm25", "--topk", "4", "--port", str(port)]
+    child = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), *line],
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for_health(child, port, "the server exited")
+        url = f"http://127.0.0.1:{port}/retrieve"
+        assert requests.get(url.replace("/retrieve", "/health"), timeout=30).json() == {"status": "ok", "n_rows": 50}
+        answer = requests.post(url, json={"queries": queries, "return_scores": True}, timeout=60).json()["result"]
+        assert bits(as_docs(answer)) == bits(retriever.search(queries, 4)) and answer[0][0]["document"]["id"] == "doc0"
+        assert bits(R.RemoteRetriever(url).search(queries, 2)) == bits(retriever.search(queries, 2))
+    finally:
+        child.terminate()
+        child.wait(timeout=60)
+    retriever.close()
+    with pytest.raises(SystemExit):
+        S.parse_args(["--index_path", str(tmp_path), "--retriever_name", "bm25"])
+    assert "retriever.py build --encoder bm25" in capsys.readouterr().err
+
+
 def test_serve_freezes_the_loaded_heap(monkeypatch):
     """A full garbage collection walks every object loaded (~4e5 with torch and the model, ~160 ms holding the GIL,
     every request in flight waiting): the server's process exempts them before it serves."""

@@ -79,7 +79,7 @@ def test_smoke_run_logs_checkpoints_and_plots(tiny_world, tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
     for key in ("reward", "kl", "clip_frac", "entropy", "twins", "self_twins", "shortcuts", "discordance",
-                "twin_token_ratio", "predictor_acc", "time", "eval_em"):
+                "twin_token_ratio", "predictor_auc", "predictor_brier", "time", "eval_em"):
         assert key in rows[0], key
     assert rows[0]["twins"] > 0 and rows[0]["factual_tokens"] > 0
     ckpt = os.path.join(out, "step_000002")
@@ -124,6 +124,30 @@ def test_nonfinite_loss_fails_loudly():
     assert not torch.isfinite(loss.sum())  # ppo_update turns this into FloatingPointError (checked every micro-batch)
 
 
+def test_a_run_on_a_bm25_index_gets_its_hits(tmp_path, monkeypatch):
+    """train_twice --index DIR with a BM25 folder (bm25.py): every search of the logged episodes (all of them)
+    retrieved exactly what that folder returns for its query, which the world's dense index does not. The session's
+    test-scale world has a policy of 12 BC steps that never writes a <search>; the same world with 150 (4 s more)
+    searches in about one turn in five."""
+    import protocol
+    import retriever
+    import world
+    import world_tiny
+    monkeypatch.setitem(world_tiny.SCALES, "test", dict(world_tiny.SCALES["test"], bc_steps=150))
+    tiny, index, out = str(tmp_path / "world"), str(tmp_path / "bm25"), str(tmp_path / "run")
+    world.build_world(tiny, seed=0, scale="test")
+    retriever.build_index(os.path.join(tiny, "corpus.jsonl"), "bm25", index)
+    tt.main(tiny_cfg(tiny, out, "--steps=2", "--eval_every=0", f"--index={index}", "--log_episodes=12"))
+    turns = [t for line in open(os.path.join(out, "episodes.jsonl")) for t in json.loads(line)["turns"]]
+    searches = [(protocol.parse_action(t["text"])[1][:protocol.Protocol().max_query_chars], t["doc_ids"])
+                for t in turns if t["doc_ids"]]
+    assert len(searches) >= 5
+    bm25, dense = retriever.DenseRetriever(index), retriever.DenseRetriever(os.path.join(tiny, "index"))
+    queries = [query for query, _ in searches]
+    assert [ids for _, ids in searches] == [[d["id"] for d in docs] for docs in bm25.search(queries, 3)]
+    assert [ids for _, ids in searches] != [[d["id"] for d in docs] for docs in dense.search(queries, 3)]
+
+
 def cpu_launch(script, out, tiny_world, *launch, flags=("--steps=2", "--eval_every=0")) -> tuple:
     """(command, environment) of `accelerate launch LAUNCH... SCRIPT` of a tiny run on CPU processes (gloo)."""
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
@@ -138,15 +162,17 @@ def assert_ranks_in_sync(out, steps=2):
     assert len(rows) == steps and all(r["weights_spread"] == 0.0 for r in rows), rows
 
 
-def test_two_cpu_processes_stay_in_sync(tiny_world, tmp_path):
+@pytest.mark.parametrize("unit", ["turn", "token"])
+def test_two_cpu_processes_stay_in_sync(tiny_world, tmp_path, unit):
     """accelerate launch --multi_gpu --num_processes 2 on CPU (gloo): it completes and both ranks hold the same
-    weights after every step."""
+    weights after every step (token forks: the predictor learns from both ranks' forks)."""
     out = str(tmp_path / "ddp")
     cmd, env = cpu_launch(os.path.join(ROOT, "train_twice.py"), out, tiny_world, "--multi_gpu", "--num_processes",
-                          "2", "--num_machines", "1")
+                          "2", "--num_machines", "1", flags=("--steps=2", "--eval_every=0", f"--twin_unit={unit}"))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_ranks_in_sync(out)
+    assert all(r["twins"] > 0 for r in read_metrics(out) if not r.get("final"))
 
 
 def test_two_machines_stay_in_sync(tiny_world, tmp_path):
@@ -421,3 +447,76 @@ def test_an_over_long_train_question_is_refused_with_file_line_before_any_rollou
     proto = tt.protocol.Protocol(max_new_tokens=24, max_context=768, temperature=0.0)
     with pytest.raises(ValueError, match=rf"question {rows[2]['id']!r} of tiny_\dhop: the prompt is \d{{4,}} tokens"):
         qa_eval.evaluate(model, tok, None, rows, proto, progress=False)
+
+
+# --- twin units, scales and key readings (DESIGN.md section 5) ---
+@pytest.mark.parametrize("extra", [["--twin_unit=token"],
+                                   ["--twin_unit=token", "--method=independent", "--line_keys=text",
+                                    "--twin_scale=rms"]])
+def test_twin_options_two_steps_and_exact_resume(tiny_world, tmp_path, extra):
+    """2 steps in one go == 1 step, resume, 1 more (the token predictor and the scale are in the checkpoint); token
+    forks log their fork token k."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    tt.main(tiny_cfg(tiny_world, a, "--steps=2", "--eval_every=0", "--log_tensorboard=false", *extra))
+    tt.main(tiny_cfg(tiny_world, b, "--steps=1", "--eval_every=0", "--log_tensorboard=false", *extra))
+    tt.main(tiny_cfg(tiny_world, b, "--steps=2", "--eval_every=0", "--log_tensorboard=false",
+                     f"--resume={b}/step_000001", *extra))
+    strip = lambda out: [{k: v for k, v in r.items() if not k.startswith("time")}  # noqa: E731
+                         for r in read_metrics(out) if not r.get("final")]
+    assert strip(a) == strip(b) and len(strip(a)) == 2
+    assert all(r["twins"] > 0 and r["self_twins"] == 0 for r in strip(a))  # a fork bans y_k: never a self-twin
+    logged = [tw for line in open(os.path.join(a, "episodes.jsonl")) for tw in json.loads(line)["twins"]]
+    assert logged and all(isinstance(tw["k"], int) and tw["k"] >= 0 for tw in logged)
+    state = json.load(open(os.path.join(b, "step_000002", "run.json")))
+    assert state["token_predictor"]["n_seen"] > 0 and state["sigma_hat"]["mode"] == ("rms" if len(extra) > 1 else "d")
+
+
+def test_token_unit_credits_the_fork_token_alone(tiny_world, monkeypatch):
+    """twin_credit with twin_unit = token: every twin's D forced to +1, so each branched turn's fork token k gets
+    A_traj + omega (1 - pi_k) / (q_t r_t(k) sigma) and every other token of its turn exactly A_traj; the twin of
+    turn t was forked at that k (y_t[:k] kept, token k changed)."""
+    from types import SimpleNamespace
+    import eval as qa_eval
+    import forks
+    import methods
+    cfg = tiny_cfg(tiny_world, "unused", "--twin_unit=token", "--twin_budget=0.5", "--omega=2")
+    policy, tok = qa_eval.load_policy(cfg.model)
+    run = SimpleNamespace(accel=SimpleNamespace(num_processes=1, unwrap_model=lambda m: m), policy=policy, tok=tok,
+                          retriever=qa_eval.load_retriever(cfg.index, ""), method=methods.make(cfg),
+                          predictor=credit.DiscordancePredictor(),
+                          token_predictor=credit.DiscordancePredictor(features=forks.TOKEN_FEATURES),
+                          sigma_hat=credit.RunningScale(mode="d"))
+    run.sigma_hat.update_d(0.25)  # sigma_hat 0.5 from "earlier batches"
+    proto = tt.protocol.protocol_from(cfg)
+    eps = rollout.run_episodes(policy, tok, run.retriever, rollout.start_episodes(
+        tok, qa_eval.load_qa(cfg.train_data)[:4], cfg.seed, 0, cfg.group_size), proto)
+    seen = {}
+    real = rollout.run_twins
+
+    def forced(*args, **kw):
+        out = real(*args, **kw)
+        for x in out:
+            x.diff = 1.0
+            seen[x.twin.uid, x.twin.line, x.turn] = x
+        return out
+    monkeypatch.setattr(rollout, "run_twins", forced)
+    batch = rollout.collate(eps, tok.pad_token_id)
+    adv, stats = tt.twin_credit(cfg, run, 0, eps, batch, proto)
+    a_traj = run.method.trajectory_advantages(eps)
+    decisions = rollout.decision_table(eps, np.array([e.reward for e in eps]).reshape(-1, 3).mean(1).repeat(3))
+    table = forks.token_table(eps, decisions, tok)
+    law = forks.fork_law(table, np.full(len(table.pi), 0.5), cfg.fork_floor)  # a fresh predictor: the prior
+    q = credit.solve_budget(law.p, law.cost, cfg.twin_budget * sum(e.n_generated for e in eps), cfg.q_min).q
+    assert seen and stats["predictor_brier"] == 0.25  # the prior 0.5 against labels all 1
+    for n, (i, t) in enumerate(decisions.index):
+        ep, turn = eps[i], eps[i].turns[t]
+        row = adv[i, len(ep.prompt_ids) + turn.start:len(ep.prompt_ids) + turn.end] - a_traj[i]
+        x = seen.get((ep.uid, ep.line, t))
+        if x is None:
+            assert np.all(row == 0)
+            continue
+        k = x.k
+        y, y2 = ep.ids[turn.start:turn.end], x.twin.ids[turn.start:x.twin.turns[t].end]
+        assert y2[:k] == y[:k] and y2[k] != y[k]
+        want = 2.0 * (1 - table.pi[table.offsets[n] + k]) / (q[n] * law.r[table.offsets[n] + k]) / 0.5
+        assert row[k] == pytest.approx(want, rel=1e-9) and np.all(np.delete(row, k) == 0)
