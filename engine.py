@@ -217,15 +217,20 @@ def _logits(model, hidden):
 
 
 def _stack_rows(rows, width):
-    """Per-layer (keys, values) (b, H, width, D) of KVEntry slices (entry, n), left-padded with zeros."""
+    """Per-layer (keys, values) (b, H, width, D) of KVEntry slices (entry, n), left-padded with zeros. Each layer's
+    pair is its own allocation, so the prefill's cache frees it as soon as that layer's update has concatenated the
+    new positions (one stacked tensor of every layer would be held until the last layer: twice the cache at once)."""
     first = next(entry for entry, n in rows if n)  # width > 0: some row has a cache
-    ks = first.k.new_zeros((first.k.shape[0], len(rows), first.k.shape[1], width, first.k.shape[3]))
-    vs = first.v.new_zeros((first.v.shape[0], len(rows), first.v.shape[1], width, first.v.shape[3]))  # own dtype
-    for b, (entry, n) in enumerate(rows):
-        if n:
-            ks[:, b, :, width - n:] = entry.k[:, :, :n]
-            vs[:, b, :, width - n:] = entry.v[:, :, :n]
-    return list(zip(ks, vs))
+    layers = []
+    for i in range(first.k.shape[0]):
+        ks = first.k.new_zeros((len(rows), first.k.shape[1], width, first.k.shape[3]))
+        vs = first.v.new_zeros((len(rows), first.v.shape[1], width, first.v.shape[3]))  # its own dtype
+        for b, (entry, n) in enumerate(rows):
+            if n:
+                ks[b, :, width - n:] = entry.k[i, :, :n]
+                vs[b, :, width - n:] = entry.v[i, :, :n]
+        layers.append((ks, vs))
+    return layers
 
 
 def _stack_hidden(rows, width):
@@ -402,7 +407,8 @@ def _decoder(model, proto, rule, slots: int, length: int):
     cache = held.get("cache")
     if cache is None or cache.slots < slots or cache.length < length or (cache.kv_dtype, cache.hid is not None) != (
             dtype, hidden):
-        held.clear()  # the old cache goes before the new one is allocated: no doubling
+        held.clear()  # the old cache goes before the new one is allocated: no doubling (nor may a local hold it)
+        cache = None
         held["cache"] = cache = kvcache.SlotCache(model.config, slots, length, dtype, model.device, hidden)
     sample = _sample(proto, model.device)
     key = (slots, rule, proto.sync_every, proto.cuda_graphs, proto.line_keys, tuple(sorted(sample.items())))

@@ -17,7 +17,10 @@ is under --fraction of the GPU's free memory; should an out-of-memory error happ
 Measured per phase: torch.cuda.max_memory_allocated from the phase's start (on the CPU: memtrack.Tracker's live
 storages), against the ledger's allocated bytes; the allocator's reserved bytes and the device's used memory
 (torch.cuda.mem_get_info) for the slack and the context the ledger estimates; generated tokens per second over
-rollout and twins; the update's seconds (log-prob passes, forward and backward, optimizer step).
+rollout and twins; the update's seconds (log-prob passes, forward and backward, optimizer step); the slot caches and
+KV entries still alive after the step (none may be). Then, on a GPU, the engine's own figure at the 3B preset's full
+shape and batch (bench_engine.engine_gpu: tokens/s with and without CUDA graphs), if its model, slot cache and decode
+step fit --fraction of the free memory (--no-engine: skipped).
 """
 import argparse
 import contextlib
@@ -28,6 +31,8 @@ import time
 
 import torch
 
+import engine
+import kvcache
 import ledger
 import memprobe
 import memtrack
@@ -94,7 +99,7 @@ def measure(cfg, dims, steps: int, tiny: bool) -> dict:
         recorder.tag([*model.parameters(), *model.buffers(), *run.ref.parameters(), *run.ref.buffers()], "weights/other")
     else:
         recorder = CudaPhases()
-    metrics = {}
+    metrics, before = {}, held()
     tag = memprobe.tagger(recorder, dims) if tiny else None
     with recorder if tiny else contextlib.nullcontext(), memprobe.owners(stack, run.accel, tag), \
             memprobe.scripted(tok, script), memprobe.as_on_gpu() if tiny else contextlib.nullcontext():
@@ -105,7 +110,32 @@ def measure(cfg, dims, steps: int, tiny: bool) -> dict:
                              "optimizer/other")
             with memprobe.phases(recorder, run, shapes):
                 metrics = tt.train_step(cfg, run, step)
-    return {"peaks": recorder.peaks, "metrics": metrics}
+    after = held()
+    return {"peaks": recorder.peaks, "metrics": metrics, "held_after_step": {k: after[k] - before[k] for k in after}}
+
+
+def held() -> dict:
+    """Live engine caches (slot caches, KV entries) in this process: none may outlive a step (train_step frees them
+    once the twins are done)."""
+    import gc
+    gc.collect()
+    objects = gc.get_objects()
+    return {"slot_caches": sum(isinstance(o, kvcache.SlotCache) for o in objects),
+            "kv_entries": sum(isinstance(o, engine.KVEntry) for o in objects)}
+
+
+def engine_figure(cfg, fraction: float) -> dict:
+    """bench_engine.engine_gpu at the 3B preset's shape and one rank's batch (prompts x 5 rows over gen_batch_size
+    slots), when its bf16 model, slot cache and widest decode step fit `fraction` of the free memory (else why not)."""
+    import bench_engine
+    dims = ledger.QWEN["3b"]
+    need = 2 * ledger.n_params(dims) + ledger.slot_cache_bytes(cfg, dims, torch.bfloat16) + \
+        ledger.decode_activations(dims, torch.bfloat16, cfg, cfg.gen_batch_size, cfg.max_context)
+    free = torch.cuda.mem_get_info()[0]
+    if need > fraction * free:
+        return {"skipped": f"needs {need / GIB:.1f} GiB, more than {fraction} of the free {free / GIB:.1f} GiB"}
+    return bench_engine.engine_gpu("3b", rows=cfg.prompts_per_step * cfg.group_size, slots=cfg.gen_batch_size,
+                                   max_context=cfg.max_context, top_p=cfg.top_p)
 
 
 def sized(layers: int, prompts: int, fraction: float, steps: int, tiny: bool):
@@ -130,6 +160,8 @@ def main(argv=None):
     parser.add_argument("--prompts", type=int, default=32, help="prompts of the step, x 5 lines (the preset: 64)")
     parser.add_argument("--steps", type=int, default=2, help="train steps; the last is measured")
     parser.add_argument("--fraction", type=float, default=0.5, help="predicted peak / free GPU memory, at most")
+    parser.add_argument("--engine", default=True, action=argparse.BooleanOptionalAction,
+                        help="also the engine's figure at the 3B preset's shape and batch (bench_engine.engine_gpu)")
     args = parser.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --tiny for the CPU version")
@@ -152,6 +184,7 @@ def main(argv=None):
         out["tokens_per_s"] = (m["factual_tokens"] + m.get("twin_tokens", 0)) / (m["time_rollout"] + m["time_twins"])
         out["update_s"] = m["time_update"]
         out["step"] = {k: m.get(k) for k in ("factual_tokens", "twin_tokens", "twins", "turns")}
+        out["held_after_step"] = got["held_after_step"]
         for phase in ledger.PHASES:
             measured, predicted = got["peaks"].get(phase, {}), pred["phases"][phase]
             row = {"measured_gib": measured.get("total", 0) / GIB, "predicted_gib": predicted["allocated_gib"],
@@ -163,6 +196,11 @@ def main(argv=None):
             out["phases"][phase] = row
         ratios = [r["ratio"] for r in out["phases"].values() if r["ratio"]]
         out["worst_ratio"] = max(ratios, key=lambda r: abs(r - 1)) if ratios else None
+    if got is not None and not args.tiny and args.engine:  # the engine at the preset's own shape and batch
+        del got
+        torch.cuda.empty_cache()
+        preset = memprobe.step_config(os.path.join(ledger.ROOT, ledger.PRESETS["3b"]))
+        out["engine"] = engine_figure(preset, args.fraction)
     out["time_s"] = time.time() - t0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

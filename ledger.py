@@ -381,6 +381,17 @@ def activations(dims, dtype, cfg, shapes, autocast=False) -> dict:
     return out
 
 
+def param_numels(dims) -> list:
+    """Sizes of the parameters of a Qwen2 of these dims (counted on the fake model)."""
+    fake, _ = fake_mode()
+    with fake:
+        return [p.numel() for p in fake_model(dims, torch.bfloat16).parameters()]
+
+
+def n_params(dims) -> int:
+    return sum(param_numels(dims))
+
+
 def slot_cache_bytes(cfg, dims, dtype) -> int:
     """The engine's slot cache on a GPU: gen_batch_size slots of max_context + 1 positions (kvcache.cache_bytes),
     what the probe's decode batch holds from the first decode of the rollout until the twins are done."""
@@ -419,9 +430,7 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
                                scale=memprobe.probe_scale(probe_dims, half, dims, half), mixed=mixed, threads=threads,
                                attention="probe", steps=steps, virtual=rollout_activations(dims, half, cfg))
     act = activations(dims, half, cfg, probe["shapes"], autocast=mixed == "bf16")
-    fake, _ = fake_mode()
-    with fake:
-        numels = [p.numel() for p in fake_model(dims, half).parameters()]
+    numels = param_numels(dims)
     params = sum(numels)
     if cfg.lora_rank:
         static = lora_static(cfg, dims, world)

@@ -343,6 +343,7 @@ def make_run(cfg, dims, dtype, tok, rows, retriever, mixed="no", attention="sdpa
     GPU without DeepSpeed), its copy as the reference, AdamW, the scripted retriever and rows. attention "probe":
     _no_attention (no mask is built either). device "cuda": on the GPU when there is one (gpucheck.py)."""
     import credit
+    import forks
     import methods
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -364,7 +365,8 @@ def make_run(cfg, dims, dtype, tok, rows, retriever, mixed="no", attention="sdpa
     policy, opt = accel.prepare(policy, opt)
     n_micro = math.ceil(cfg.prompts_per_step * cfg.group_size // cfg.mini_batches / cfg.micro_batch_size)
     return tt.Run(accel, policy, ref, tok, retriever, opt, methods.make(cfg), credit.DiscordancePredictor(),
-                  credit.RunningScale(cfg.scale_decay), rows, n_micro, tt.weight_norm(accel, policy))
+                  credit.DiscordancePredictor(features=forks.TOKEN_FEATURES),
+                  credit.RunningScale(cfg.scale_decay, cfg.twin_scale), rows, n_micro, tt.weight_norm(accel, policy))
 
 
 def run_steps(cfg, dims, dtype, script, steps=1, scale=None, block=1, mixed="no", threads=1, attention="sdpa",

@@ -3,8 +3,10 @@
 predicts a measured run within 10% per phase (the first-GPU check at its tiny size); the README's table is
 memory.json's and both presets fit 80 GiB with 10% headroom; KV caches are freed when the twins are done, sampled
 in the rollout dtype, and the twins' chunks change no twin."""
+import gc
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_
 
 import engine
 import gpucheck
+import kvcache
 import ledger
+import lora
 import memprobe
 import memtrack
 import rollout
@@ -103,6 +107,7 @@ def test_gpu_check_tiny_matches_the_ledger_within_10_percent(tmp_path):
     for phase, row in saved["phases"].items():
         assert row["measured_gib"] > 0 and 0.9 <= row["ratio"] <= 1.1, (phase, row)
     assert out["tokens_per_s"] > 0 and out["update_s"] > 0 and out["step"]["twins"] > 0
+    assert saved["held_after_step"] == {"slot_caches": 0, "kv_entries": 0}  # train_step freed the engine's caches
 
 
 def test_the_decode_fit_holds_on_other_shapes():
@@ -177,8 +182,8 @@ def test_sampling_copy_is_bf16_tied_and_the_policy_itself_when_it_already_is():
 
 
 def test_stacked_values_keep_their_own_dtype():
-    keys, values = torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4, dtype=torch.bfloat16)
-    entry = engine.KVEntry([1, 2, 3], [(keys, values)], None)
+    keys, values = torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4, dtype=torch.bfloat16)  # (layers, H, n, D)
+    entry = engine.KVEntry([1, 2, 3], keys, values, None)
     (ks, vs), = engine._stack_rows([(entry, 3), (entry, 2)], 5)
     assert ks.dtype == torch.float32 and vs.dtype == torch.bfloat16 and vs.shape == (2, 2, 5, 4)
     assert vs[1, :, :3].eq(0).all() and vs[1, :, 3:].eq(1).all()
@@ -190,3 +195,86 @@ def test_on_device_leaves_a_model_already_there_as_it_is():  # the move itself n
     with tt.on_device(model, "cpu") as same:
         assert same is model and [p.data_ptr() for p in model.parameters()] == before
     assert [p.data_ptr() for p in model.parameters()] == before
+
+
+def test_the_slot_cache_dies_with_free_cache_and_so_does_a_sampling_copy(word_tok, word_model):  # noqa: F811
+    """The engine keeps a model's slot cache between calls, and its decoder refers back to the model: without
+    free_cache neither the cache nor a sampling copy would ever die (train_step calls it once the twins are done)."""
+    proto = Protocol(max_turns=1, max_new_tokens=6, gen_batch_size=4)
+    copy = tt.sampling_copy(word_model, torch.bfloat16)
+    rollout.run_episodes(copy, word_tok, FakeRetriever(), rollout.start_episodes(word_tok, questions(3), 1, 0), proto)
+    cache, model = weakref.ref(engine._DECODERS[copy]["cache"]), weakref.ref(copy)
+    assert cache().kv_dtype == torch.bfloat16  # sampled from bf16 weights outside autocast: a bf16 cache
+    del copy
+    gc.collect()
+    assert cache() is not None and model() is not None  # held by the engine
+    engine.free_cache(model())
+    gc.collect()
+    assert cache() is None and model() is None
+
+
+def test_a_larger_slot_cache_replaces_the_old_one_without_holding_both(word_tok, word_model):  # noqa: F811
+    rule = engine.stop_rule(word_tok, engine._special_ids(word_model, word_tok)[0], len(word_tok), "cpu")
+    proto = Protocol(gen_batch_size=4)
+    engine.free_cache(word_model)
+    engine._decoder(word_model, proto, rule, 4, 256)
+    small = engine._DECODERS[word_model]["cache"].nbytes()
+    tracker = memtrack.Tracker(block=1)
+    with tracker, tracker.phase("grow"):
+        engine._decoder(word_model, proto, rule, 8, 512)
+    big = engine._DECODERS[word_model]["cache"].nbytes()
+    assert big == 4 * small and tracker.peaks["grow"]["total"] - tracker.total < small  # the old one went first
+    engine.free_cache(word_model)
+
+
+def _one_allocation(rows, width):
+    """The stacked rows as one allocation for every layer (what the engine did before)."""
+    first = next(entry for entry, n in rows if n)
+    ks = first.k.new_zeros((first.k.shape[0], len(rows), first.k.shape[1], width, first.k.shape[3]))
+    vs = torch.zeros_like(ks)
+    for b, (entry, n) in enumerate(rows):
+        if n:
+            ks[:, b, :, width - n:] = entry.k[:, :, :n]
+            vs[:, b, :, width - n:] = entry.v[:, :, :n]
+    return list(zip(ks, vs))
+
+
+def test_a_prefill_frees_each_layers_stacked_rows_after_that_layer(word_tok, monkeypatch):  # noqa: F811
+    """Continuing rows are stacked per layer, so the prefill's cache frees each layer's stack once that layer has
+    concatenated the new positions; one allocation for every layer was held until the last layer: the prefill's
+    peak was higher by at least (layers - 1) / layers of the stack, the same tokens either way."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(word_tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                         initializer_range=0.3)).eval()
+    proto = Protocol(max_turns=2, max_new_tokens=8, gen_batch_size=8)
+    peaks, entries = [], []
+    for stack in (engine._stack_rows, _one_allocation):
+        monkeypatch.setattr(engine, "_stack_rows", stack)
+        eps = rollout.start_episodes(word_tok, questions(6), 2, 0)
+        rollout.step_turn(model, word_tok, FakeRetriever(), eps, proto)  # every episode holds an entry now
+        live = [ep for ep in eps if not ep.done]
+        stacked = sum(ep._kv.k.numel() + ep._kv.v.numel() for ep in live) * 4  # float32 keys and values
+        tracker = memtrack.Tracker(lambda t: "kv" if t.dim() >= 4 and t.shape[-1] == 16 else "other", block=1)
+        with tracker, tracker.phase("prefill"):
+            engine._prefill(model, live, [ep.prompt_ids + ep.ids for ep in live], proto, word_tok.pad_token_id)
+        peaks.append(tracker.peaks["prefill"]["bytes"]["kv"])
+        entries.append([(ep._kv.ids, ep._kv.k, ep._kv.v) for ep in live])
+    assert len(entries[0]) >= 2 and stacked > 0
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(*entries))
+    assert peaks[1] - peaks[0] >= stacked * 3 / 4, peaks
+
+
+def test_lora_layout_is_lora_memory_bytes():
+    cfg = memprobe.step_config(os.path.join(ROOT, "configs/qwen2.5-3b.cfg"), ["--lora_rank=16"])
+    got = ledger.lora_static(cfg, ledger.QWEN["3b"], world=8)
+    held = lora.memory_bytes("Qwen2.5-3B", 16)
+    r, layers, h, i, kv = 16, 36, 2048, 11_008, 256
+    adapter = layers * r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))  # q, k, v, o, gate, up, down
+    assert held["adapter_params"] == adapter
+    assert got["rollout"] == {"weights": held["lora"]["weights"], "optimizer": 8 * adapter, "gradients": 0}
+    assert got["update"]["gradients"] == 2 * 4 * adapter  # the gradients and DDP's bucket copy of them
+    assert got["optimizer_step"]["optimizer"] > 8 * adapter  # AdamW's step temporaries on top of its moments
+    with pytest.raises(ValueError, match="DDP"):
+        ledger.build(cfg, ledger.QWEN["3b"], "zero2")
