@@ -96,7 +96,8 @@ def measure(cfg, dims, steps: int, tiny: bool) -> dict:
     if tiny:
         recorder = memtrack.Tracker(memprobe.classifier(dims, stack))
         model = run.accel.unwrap_model(run.policy)
-        recorder.tag([*model.parameters(), *model.buffers(), *run.ref.parameters(), *run.ref.buffers()], "weights/other")
+        recorder.tag([*model.parameters(), *model.buffers(), *run.ref.parameters(), *run.ref.buffers()],
+                     "weights/other")
     else:
         recorder = CudaPhases()
     metrics, before = {}, held()
@@ -120,8 +121,8 @@ def held() -> dict:
     import gc
     gc.collect()
     objects = gc.get_objects()
-    return {"slot_caches": sum(isinstance(o, kvcache.SlotCache) for o in objects),
-            "kv_entries": sum(isinstance(o, engine.KVEntry) for o in objects)}
+    return {"slot_caches": sum(type(o) is kvcache.SlotCache for o in objects),
+            "kv_entries": sum(type(o) is engine.KVEntry for o in objects)}
 
 
 def engine_figure(cfg, fraction: float) -> dict:

@@ -3,25 +3,31 @@ and batch sizes (DESIGN.md section 10), derived from the code rather than writte
 
   python ledger.py                                   # both presets: per-phase peaks and the fit against 80 GiB
   python ledger.py configs/qwen2.5-3b.cfg --json F   # one preset, the whole ledger as JSON
-  python ledger.py --readme                          # rewrite README's memory table from the ledger
+  python ledger.py --write                           # both presets: memory.json and README's memory table
+  python ledger.py --readme                          # rewrite README's memory table from memory.json as it is
+  python ledger.py configs/qwen2.5-3b.cfg --set lora_rank=16     # a config field changed (LoRA: under DDP)
   python bench.py memory ...                         # the same command
 
 Where every figure comes from:
   1. A probe run: the real `train_twice.train_step` (rollout, twins, log-prob passes, update, optimizer step) at the
      preset's per-rank batch (prompts_per_step / 8 prompts x group_size lines, its gen_batch_size, micro-batches,
-     twin budget and chunks), on a 2-layer model of the preset's rollout dtype, driven by a scripted agent whose
-     turns have the stated Search-R1-like lengths (SCRIPTS). memtrack.Tracker counts every live storage by owner
-     (the function that allocated it: a KV entry, the decode batch, the model's forward, the optimizer ...) and kind
-     (keys/values, hidden states, other); the shapes of its largest forwards are kept.
+     twin budget and chunks), on a model of the preset's layers (at most 12) and tiny widths in the preset's dtypes,
+     driven by a scripted agent whose turns have the stated Search-R1-like lengths (memprobe.SCRIPTS), the engine
+     sized as on CUDA (its slot cache at max_context + 1 positions). memtrack.Tracker counts every live storage by
+     owner (the function that allocated it: the slot cache, the prefill's batch, a KV entry, the model's forward,
+     the optimizer ...) and kind (keys/values, hidden states, other); the shapes of its forwards are kept.
   2. Scaling: keys and values scale to the preset by its KV bytes per token over the probe's (layers x kv heads x
      head dim x dtype), hidden states by hidden size x dtype; tensors of no model width (masks, token ids, log-probs)
-     are counted as they are. The peak of each phase is taken on the scaled total.
+     are counted as they are. The peak of each phase is taken on the scaled total. The slot cache so scaled is
+     kvcache.cache_bytes at the preset (recorded as slot_cache_gib; a test checks it).
   3. Activations: the preset-size model (QWEN, the Qwen2.5 configs, no download) under FakeTensorMode, no memory
-     behind it: the largest decode step, prefill bucket, log-prob micro-batch and update micro-batch (forward and
-     backward, gradient checkpointing) that the probe ran, through the same functions (engine._forward, the keyed
-     draw, logprobs.token_logprobs, train_twice.ppo_loss).
+     behind it: each prefill bucket, the decode step (the engine's kvcache.Decoder step: forward, keyed draw with
+     CUDA's top-p bisection, stop decision), reads off stored hidden states, the largest log-prob micro-batch and
+     update micro-batch (forward and backward, gradient checkpointing), through the same functions; a prefill's or
+     decode step's is held in the probe while that forward runs, so each phase peaks where the full-size run would.
   4. Parameters and optimizer: counted on the fake model; AdamW's step on the rank's fp32 partition run under
-     FakeTensorMode; the ZeRO-2 layout of DeepSpeed 0.19.8 (zero2_bytes) from configs/deepspeed_zero2.json.
+     FakeTensorMode; the ZeRO-2 layout of DeepSpeed 0.19.8 (zero2_static) from configs/deepspeed_zero2.json; with
+     lora_rank > 0 (`--set lora_rank=16`), LoRA's layout under DDP from lora.memory_bytes (lora_static).
   5. Outside torch's allocator, estimates a GPU must confirm (gpucheck.py measures them): the CUDA context and NCCL,
      the retriever server's index shard on the same GPU, allocator slack.
 
@@ -54,7 +60,8 @@ QWEN = {  # config.json of Qwen/Qwen2.5-3B and -7B (the fields that set sizes)
                num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32_768,
                rope_theta=1e6, rms_norm_eps=1e-6),
     "7b": dict(vocab_size=152_064, hidden_size=3584, intermediate_size=18_944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=131_072,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+               max_position_embeddings=131_072,
                rope_theta=1e6, rms_norm_eps=1e-6),
 }
 
@@ -108,7 +115,10 @@ def _measure(dims, fn, selected=()) -> dict:
     scale = {f"{o}/{k}": float(o == "activations") for o in ("activations", "decode_batch", "kv_entries", "other",
              "weights", "reference", "gradients", "optimizer") for k in ("kv", "hidden", "other")}
     tracker = memtrack.Tracker(memprobe.classifier(dims, stack), scale=scale)
-    with _disable_current_modes(), fake, nonzero, tracker, memprobe.owners(stack):
+    # sampler's table of Weyl sequences is filled on first use: a fake pass fills a fresh one (a fake tensor left in
+    # the real table would be what every later real draw over that vocabulary reads)
+    with _disable_current_modes(), memprobe.patched(sampler, "_WEYL", {}), fake, nonzero, tracker, \
+            memprobe.owners(stack):
         out = fn(tracker) or {}
     return {"peak": tracker.peaks.get("pass", {"total": 0})["total"], **out}
 
@@ -496,7 +506,8 @@ def table(ledgers: dict) -> str:
         for n in names:
             ph = ledgers[n]["phases"][phase]
             top = sorted(ph["gib"].items(), key=lambda kv: (-round(kv[1], 6), CATEGORIES.index(kv[0])))[:3]
-            cells.append(f"{ph['total_gib']:.1f} ({', '.join(f'{c.replace(chr(95), chr(32))} {v:.1f}' for c, v in top)})")
+            parts = ", ".join(f"{c.replace('_', ' ')} {v:.1f}" for c, v in top)
+            cells.append(f"{ph['total_gib']:.1f} ({parts})")
         lines.append(f"| {phase.replace('_', ' ')} | " + " | ".join(cells) + " |")
     lines.append("| **peak of 80 GiB** | " + " | ".join(
         f"**{ledgers[n]['peak_gib']:.1f}** ({ledgers[n]['peak_phase'].replace('_', ' ')}), headroom "
@@ -521,7 +532,8 @@ def readme_table(path=os.path.join(ROOT, "README.md")) -> str:
 
 
 def show(name: str, led: dict) -> str:
-    out = [f"{name}: {led.get('model', '')} {led['strategy']} x {led['world']} ranks, {led['episodes']} episodes a rank, "
+    out = [f"{name}: {led.get('model', '')} {led['strategy']} x {led['world']} ranks, "
+           f"{led['episodes']} episodes a rank, "
            f"{led['params'] / 1e9:.2f}B parameters; probe step: {led['step']}"]
     out.append("  phase           total  " + " ".join(f"{c[:12]:>12s}" for c in CATEGORIES))
     for phase in PHASES:

@@ -375,7 +375,8 @@ def run_steps(cfg, dims, dtype, script, steps=1, scale=None, block=1, mixed="no"
     categories), the largest forward shapes, and the step's counters. virtual: see phases."""
     torch.set_num_threads(threads)
     tok = script_tokenizer()
-    run = make_run(cfg, dims, dtype, tok, script_rows(tok, script, cfg.prompts_per_step), ScriptedRetriever(tok, script),
+    run = make_run(cfg, dims, dtype, tok, script_rows(tok, script, cfg.prompts_per_step),
+                   ScriptedRetriever(tok, script),
                    mixed, attention)
     model, stack = run.accel.unwrap_model(run.policy), []
     tracker = memtrack.Tracker(classifier(dims, stack), block=block, scale=scale)

@@ -1,8 +1,9 @@
 """Tests for the memory ledger (ledger.py, memprobe.py, memtrack.py, gpucheck.py) and the memory fixes it led to
 (DESIGN.md section 10): the tracker counts storages exactly; a small probe measures a wider model exactly; the ledger
 predicts a measured run within 10% per phase (the first-GPU check at its tiny size); the README's table is
-memory.json's and both presets fit 80 GiB with 10% headroom; KV caches are freed when the twins are done, sampled
-in the rollout dtype, and the twins' chunks change no twin."""
+memory.json's and both presets fit 80 GiB with 10% headroom, the engine's slot cache inside; KV caches and the slot
+cache are freed when the twins are done, sampled in the rollout dtype, never held twice (a larger slot cache, the
+prefill's stacked rows); the twins' chunks change no twin; LoRA's layout is lora.memory_bytes."""
 import gc
 import json
 import os
@@ -10,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from transformers import Qwen2Config
 from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_model, word_tok  # noqa: F401
 
 import engine
@@ -139,6 +141,16 @@ def test_readme_memory_table_is_memory_json_and_both_presets_fit():
         cfg = memprobe.step_config(os.path.join(ROOT, path))
         assert led["config"] == ledger.config_of(cfg), f"{path} changed since memory.json: run python ledger.py --write"
         assert set(led["phases"]) == set(ledger.PHASES)
+        # the engine's slot cache (kvcache.cache_bytes at CUDA's size) is inside the decode batch while episodes and
+        # twins are drawn, and gone (with every KV entry) from the log-prob passes on
+        dims = ledger.QWEN[size]
+        assert led["slot_cache_gib"] * ledger.GIB == kvcache.cache_bytes(
+            cfg.gen_batch_size, cfg.max_context + 1, Qwen2Config(**dims), torch.bfloat16, hidden=True)
+        for phase in ledger.PHASES:
+            parts = led["phases"][phase]["gib"]
+            sampling = phase in ("rollout", "twins")
+            assert (parts["decode_batch"] >= led["slot_cache_gib"]) if sampling else (parts["decode_batch"] == 0)
+            assert sampling or parts["kv_entries"] == 0
 
 
 @pytest.mark.slow

@@ -211,6 +211,12 @@ def rank_one_nan(cfg, lp, *args, **kw):  # a non-finite loss on rank 1 only
     loss, kl, clipped = real(cfg, lp, *args, **kw)
     return (loss * float("nan") if os.environ.get("RANK") == "1" else loss), kl, clipped
 tt.ppo_loss = rank_one_nan
+import torch.distributed as dist
+real_init = dist.init_process_group
+def init(*args, **kw):  # what accelerate asks of the process group (collective_timeout_h)
+    print(f"rank {{os.environ['RANK']}} collective timeout {{kw.get('timeout')}}", file=sys.stderr, flush=True)
+    return real_init(*args, **kw)
+dist.init_process_group = init
 try:
     tt.main(tt.config.cli(tt.Config, prog="train_twice.py"))
 except FloatingPointError as e:
@@ -221,7 +227,7 @@ except FloatingPointError as e:
 
 def test_a_non_finite_loss_on_one_rank_stops_both_with_a_message(tiny_world, tmp_path):
     """Rank 1's loss is NaN, rank 0's is not: both ranks stop at the same micro-batch naming it, nothing hangs in a
-    collective, and nothing is saved."""
+    collective, and nothing is saved. Collectives wait collective_timeout_h (6 h by default), not torch's 10 min."""
     out, driver = str(tmp_path / "ddp-nan"), tmp_path / "driver.py"
     driver.write_text(DRIVER.format(root=ROOT))
     cmd, env = cpu_launch(str(driver), out, tiny_world, "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
@@ -231,6 +237,7 @@ def test_a_non_finite_loss_on_one_rank_stops_both_with_a_message(tiny_world, tmp
     for rank in (0, 1):
         assert f"rank {rank} stopped: diverged at step 0: loss = " in proc.stderr, proc.stderr[-3000:]
     assert "non-finite on 1 of 2 rank(s)" in proc.stderr
+    assert all(f"rank {rank} collective timeout 6:00:00" in proc.stderr for rank in (0, 1)), proc.stderr[-3000:]
     assert not [f for f in os.listdir(out) if f.startswith("step_")]
 
 
