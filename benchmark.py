@@ -208,7 +208,7 @@ def run_one(label: str, seed: int, world: str, scratch: str, results: str, extra
     argv = [sys.executable, "train_twice.py", *CONFIGS, *(["--world=" + world] if world else []), *flags(label),
             f"--seed={seed}", f"--out_dir={out}", "--overwrite", *extra]
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    start = time.time()
+    start, code = time.time(), commit()
     with open(out + ".log", "w") as log:
         rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
@@ -219,7 +219,8 @@ def run_one(label: str, seed: int, world: str, scratch: str, results: str, extra
     for name in ("config.json", "metrics.jsonl"):
         shutil.copy(os.path.join(out, name), os.path.join(dest + ".tmp", name))
     wdir = world or "data/chains"
-    meta = {"label": label, "seed": seed, "argv": ["python", *argv[1:]], "commit": commit(), "wall_s": round(wall, 1),
+    shown = [a.replace(ROOT + os.sep, "") for a in ["python", *argv[1:]]]
+    meta = {"label": label, "seed": seed, "argv": shown, "commit": code, "wall_s": round(wall, 1),
             "cpu": cpu(), "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world": {f: sha(os.path.join(ROOT, wdir, f)) for f in ("world.json", "policy/model.safetensors")}}
     write_json(os.path.join(dest + ".tmp", "meta.json"), meta)
