@@ -28,7 +28,7 @@ qPY     = $(call q,$(PY))
 qWORLD  = $(call q,$(WORLD))
 tWORLD  = $(call t,$(WORLD))
 
-.PHONY: install test test-slow world index demo demo-compare compare-methods audit eval
+.PHONY: install test test-slow world index demo demo-compare compare-methods benchmark benchmark-report audit eval
 
 install: $(tVENV)/.installed
 
@@ -111,6 +111,19 @@ compare-methods: install
 	  { echo "$$0 seed $$1 failed: see $$cmp/$$0-seed$$1.log"; exit 255; }'
 	$(qPY) report.py methods $(CMP_RUNS)
 	$(if $(and $(filter grpo,$(METHODS)),$(word 2,$(SEEDS))),$(qPY) report.py paired $(CMP_RUNS))
+
+# The benchmark on the pinned chains world (benchmark.py, RESULTS.md "Benchmark on the pinned chains world"), built
+# up over several sittings: SET = sweep, sweep-omega, dev, heldout, long, in that order (each refuses to start before
+# the sets it depends on are complete). Finished runs are kept; every run's config, metrics and meta are copied into
+# results/chains/runs/ (commit them), and benchmark-report rebuilds results/chains/tables.md and its PNGs from there.
+SET ?= sweep
+benchmark: install
+	$(MAKE) world WORLD=data/chains PRESET=chains
+	$(qPY) benchmark.py run $(SET) --jobs $(JOBS)
+	$(qPY) benchmark.py report
+
+benchmark-report: install
+	$(qPY) benchmark.py report
 
 # Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages; the methods.py rows
 # take their knobs from the world's trainer preset (configs/demo.cfg, or configs/chains.cfg for WORLD=data/chains).

@@ -267,10 +267,11 @@ def shared_budget(runs: dict) -> float:
     return max(cfg["token_budget"] or max(r.get("tokens", 0) for r in rows) for m in runs.values() for cfg, rows in m)
 
 
-def paired(run_dirs, base: str = "grpo") -> str:
+def paired(run_dirs, base: str = "grpo", runs: dict = None) -> str:
     """Markdown: per method, AUC and final EM as mean +- standard error over its seeds (sd with ddof 1 / sqrt(n)),
-    and their differences from the `base` method's run of the same seed (paired: same prompts, same warm start)."""
-    runs = load_runs(run_dirs)
+    and their differences from the `base` method's run of the same seed (paired: same prompts, same warm start).
+    `runs` ({name: [(config, rows)]}) replaces the folders' grouping by method (benchmark.py names its runs)."""
+    runs = load_runs(run_dirs) if runs is None else runs
     if base not in runs:
         raise SystemExit(f"report.py paired: no {base} run among the folders: the differences are taken from it")
     budget = shared_budget(runs)
@@ -291,12 +292,13 @@ def paired(run_dirs, base: str = "grpo") -> str:
     return "\n".join(out)
 
 
-def compare_methods(run_dirs, checkpoints: int = 4, png: str = "") -> str:
+def compare_methods(run_dirs, checkpoints: int = 4, png: str = "", runs: dict = None) -> str:
     """Markdown: one row per method (mean +- sd over seeds): greedy EM at `checkpoints` equally spaced token counts
     up to the shared budget, area under EM-vs-tokens, final EM and the tokens it was measured at (mean), tokens to
     reach GRPO's final EM, steps, wall time; and a PNG
-    of EM against generated tokens (mean, sd band). `png` may hold "{seeds}", filled with the runs' seeds ("0-1-2")."""
-    runs = load_runs(run_dirs)
+    of EM against generated tokens (mean, sd band). `png` may hold "{seeds}", filled with the runs' seeds ("0-1-2").
+    `runs` as in paired."""
+    runs = load_runs(run_dirs) if runs is None else runs
     budget = shared_budget(runs)
     marks = [budget * (k + 1) / checkpoints for k in range(checkpoints)]
     grpo_final = np.mean([em_vs_tokens(rows)[-1][1] for _, rows in runs.get("grpo", [])]) if "grpo" in runs else None

@@ -102,7 +102,7 @@ FILLERS = (
 )
 CHAIN_SCALES = {  # entity counts (pairs of look-alikes); policy and BC; warm-start evaluation and oracle sample
     "full": dict(countries=10, city_pairs=20, founder_pairs=20, company_pairs=20, worker_pairs=60, test_pairs=12,
-                 hidden=64, layers=2, init=0.1, bc_steps=1400, bc_batch=16, lr=3e-3, name_weight=10,
+                 hidden=64, layers=2, init=0.1, bc_steps=1600, bc_batch=16, lr=3e-3, name_weight=10,
                  eval_questions=120, eval_group=5, eval_max_new=128, oracle_episodes=16, oracle_rollouts=6),
     "test": dict(countries=3, city_pairs=3, founder_pairs=3, company_pairs=3, worker_pairs=4, test_pairs=1,
                  hidden=32, layers=2, init=0.1, bc_steps=6, bc_batch=4, lr=3e-3, name_weight=5, eval_questions=3,

@@ -9,8 +9,9 @@ sys.path.insert(0, ROOT)  # the scripts are flat files at the repository root, i
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # In-process tests run on this machine's own numerics and compare with in-process results; a script run in a
-# subprocess pins itself (numerics.py), and the tests of the pins themselves drop this variable.
-os.environ.setdefault("ALLOW_UNPINNED", "1")
+# subprocess pins itself (numerics.py), and the tests of the pins themselves drop this variable. Set, not defaulted:
+# the Makefile exports ALLOW_UNPINNED=0 for its world targets, and `make test` inherits it.
+os.environ["ALLOW_UNPINNED"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

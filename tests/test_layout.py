@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "*.py")))
 ORDER = ["config", "retriever", "protocol", "sampler", "stops", "kvcache", "rows", "engine", "credit", "logprobs",
          "rollout", "forks", "eval", "baselines", "learned", "methods", "report", "lora", "checkpoint", "train_twice",
-         "audit_methods", "audit"]
+         "audit_methods", "audit", "benchmark"]
 
 
 def imports_of(module: str) -> set:

@@ -1,0 +1,100 @@
+"""benchmark.py: run labels, the order of the sets and the frozen choice of knobs, the tables from committed outputs
+alone, and one real run through train_twice.py whose outputs land where the tables read them."""
+import json
+import os
+
+import pytest
+
+import benchmark as bm
+import report
+
+TINY = ["--prompts_per_step=2", "--group_size=2", "--max_new_tokens=24", "--max_obs_tokens=200", "--max_turns=2",
+        "--max_context=768", "--micro_batch_size=4", "--eval_size=4", "--gen_batch_size=16", "--token_budget=200",
+        "--eval_tokens=100"]
+
+
+def fake(results, label, seed, ems, tokens_per_step=10000, budget=120000):
+    """A finished run whose greedy EM is ems[k] before update k and ems[-1] at the end."""
+    d = bm.run_dir(label, seed, str(results))
+    os.makedirs(d, exist_ok=True)
+    json.dump({"seed": seed, "token_budget": budget, "method": label.split("-")[0]}, open(f"{d}/config.json", "w"))
+    rows = [{"step": k, "eval_em": em, "tokens": tokens_per_step * (k + 1)} for k, em in enumerate(ems[:-1])]
+    rows.append({"step": len(ems) - 1, "tokens": tokens_per_step * (len(ems) - 1), "eval_em": ems[-1], "final": True})
+    open(f"{d}/metrics.jsonl", "w").write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_labels_read_as_train_flags():
+    assert bm.flags("grpo") == ["--method=grpo"]
+    assert bm.flags("grpo-g8") == ["--method=grpo", "--group_size=8"]
+    assert bm.flags(bm.twice("token", 0.25, 1.0)) == ["--method=twice", "--twin_unit=token", "--twin_budget=0.25",
+                                                      "--omega=1.0"]
+    assert bm.flags("independent-b0.7-w2") == ["--method=independent", "--twin_budget=0.7", "--omega=2.0"]
+    assert bm.flags("vineppo-k3-360k") == ["--token_budget=360000", "--eval_tokens=90000", "--method=vineppo",
+                                           "--vine_k=3"]
+    assert bm.flags("tree_grpo") == ["--method=tree_grpo"]
+    for bad in ("twice-turn-b0.2", "twice-word-b0.2-w1", "vineppo-kx", "sac", "grpo-8"):
+        with pytest.raises(ValueError, match=f"cannot read the run label '{bad}'"):
+            bm.flags(bad)
+
+
+def test_sets_wait_for_their_inputs_and_the_choice_is_frozen(tmp_path):
+    r = str(tmp_path)
+    with pytest.raises(SystemExit, match="runs are not done yet"):
+        bm.plan("sweep-omega", r)
+    # turn: budget 0.25 best; token: budget 0.5; vineppo K = 3 (the EM reached after a few steps sets the AUC)
+    score = {bm.twice("turn", 0.25, 1.0): 0.6, bm.twice("token", 0.5, 1.0): 0.55, "vineppo-k3": 0.4}
+    for s in bm.DEV_SEEDS:
+        for lab in bm.sweep_labels():
+            fake(r, lab, s, [0.3, score.get(lab, 0.35) + 0.01 * s, score.get(lab, 0.35)])
+    assert [lab for lab, s in bm.plan("sweep-omega", r) if s == 0] == [
+        bm.twice("turn", 0.25, 0.5), bm.twice("turn", 0.25, 2.0), bm.twice("token", 0.5, 0.5),
+        bm.twice("token", 0.5, 2.0)]
+    with pytest.raises(SystemExit, match="runs are not done yet"):
+        bm.plan("dev", r)
+    for lab, s in bm.plan("sweep-omega", r):
+        em = 0.7 if lab == bm.twice("token", 0.5, 2.0) else 0.2
+        fake(r, lab, s, [0.3, em, em])
+    ch = bm.chosen(r)
+    assert (ch["twice-turn"], ch["twice-token"], ch["independent"], ch["vineppo"]) == (
+        "twice-turn-b0.25-w1", "twice-token-b0.5-w2", "independent-b0.25-w1", "vineppo-k3")
+    with pytest.raises(SystemExit, match="runs are not done yet"):
+        bm.plan("heldout", r)  # the dev set first
+    for lab, s in bm.plan("dev", r):
+        if not bm.finished(bm.run_dir(lab, s, r)):
+            fake(r, lab, s, [0.3, 0.5 if lab == "arpo" else 0.4, 0.45])
+    assert len(bm.plan("heldout", r)) == 15 * 6 and bm.plan("heldout", r)[0] == ("grpo", 10)
+    # a sweep run that changes afterwards does not move the frozen choice
+    fake(r, bm.twice("turn", 0.7, 1.0), 0, [0.3, 0.99, 0.99])
+    assert bm.chosen(r)["twice-turn"] == "twice-turn-b0.25-w1"
+    assert {lab for lab, _ in bm.plan("long", r)} == {"grpo-360k", "twice-token-b0.5-w2-360k", "arpo-360k"}
+    text = bm.build_report(r)
+    assert text == open(os.path.join(r, "tables.md")).read()
+    assert "| twice-turn-b0.25-w1 | 3 |" in text and "| arpo | 3 |" in text and "twice-token-b0.5-w2" in text
+    assert os.path.isfile(os.path.join(r, "sweep_seeds0-1-2.png"))
+    assert "0 of 45 runs done" in text  # the long set: none yet
+
+
+def test_breakeven_by_hand():
+    # GRPO: 10k tokens per update, EM 0.2 -> 0.4 over 4 updates; the other: 20k per update, 0.2 -> 0.45 over 2
+    grpo = [{"step": k, "eval_em": 0.2 + 0.05 * k, "tokens": 10000 * (k + 1)} for k in range(4)]
+    grpo.append({"step": 4, "eval_em": 0.4, "tokens": 40000, "final": True})
+    other = [{"step": 0, "eval_em": 0.2, "tokens": 20000}, {"step": 2, "eval_em": 0.45, "tokens": 40000,
+                                                       "final": True}]
+    runs = {"grpo": [({"seed": 0}, grpo)], "other": [({"seed": 0}, other)]}
+    table = bm.breakeven(runs)
+    # c = 20000 / 10000 = 2; r = 0.25 / (GRPO's 0.1 after 2 updates) = 2.5: more than pays for itself
+    assert "| other | 1 | 2.0 | 2.00 | 2.50 | +0.50 |" in table and "| grpo | 1 | 4.0 | 1.00 | 1.00 | +0.00 |" in table
+
+
+def test_one_real_run_lands_in_the_results(tiny_world, tmp_path):
+    line = bm.run_one(bm.twice("token", 0.5, 1.0), 3, tiny_world, str(tmp_path / "scratch"), str(tmp_path), TINY)
+    assert line.startswith("done twice-token-b0.5-w1 seed 3"), line
+    d = bm.run_dir("twice-token-b0.5-w1", 3, str(tmp_path))
+    assert sorted(os.listdir(d)) == ["config.json", "meta.json", "metrics.jsonl"]
+    cfg, rows = report.load_run(d)
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    assert (cfg["twin_unit"], cfg["twin_budget"], cfg["seed"], meta["seed"]) == ("token", 0.5, 3, 3)
+    assert rows[-1]["final"] and rows[-1]["tokens"] >= 200 and meta["world"]["world.json"] != "missing"
+    assert "--twin_unit=token" in meta["argv"] and meta["wall_s"] > 0
+    bad = bm.run_one("grpo", 0, str(tmp_path / "no-world"), str(tmp_path / "scratch"), str(tmp_path), TINY)
+    assert bad.startswith("FAILED grpo seed 0") and not os.path.exists(bm.run_dir("grpo", 0, str(tmp_path)))
