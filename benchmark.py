@@ -14,7 +14,7 @@ world digests, machine, wall time), a few kB: the tables are a function of that 
 The sets, in the order they may run (each refuses to start before what it depends on is complete):
     sweep        dev seeds 0-2: GRPO; TWICE, both units, twin_budget x {0.1, 0.25, 0.5, 0.7} at omega 1; VinePPO
                  K in {1, 3, 9}
-    sweep-omega  dev seeds 0-2: TWICE, both units, omega {0.5, 2} at the unit's best budget of `sweep`
+    sweep-omega  dev seeds 0-2: TWICE, both units, omega {0.25, 0.5, 2} at the unit's best budget of `sweep`
     dev          dev seeds 0-2: every method of the benchmark, at the knobs chosen from the sweeps
     heldout      seeds 10-15 at 120k tokens: the same list, run once (chosen.json is frozen before any of them)
     long         seeds 10-12 at 360k tokens: GRPO, the best TWICE variant and the best other method (by dev AUC)
@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(ROOT, "results", "chains")
 CONFIGS = ["configs/chains.cfg", "configs/compare-methods.cfg"]
 DEV_SEEDS, HELDOUT_SEEDS, LONG_SEEDS = (0, 1, 2), (10, 11, 12, 13, 14, 15), (10, 11, 12)
-BUDGETS, OMEGAS, VINE_KS = (0.1, 0.25, 0.5, 0.7), (0.5, 2.0), (1, 3, 9)
+BUDGETS, OMEGAS, VINE_KS = (0.1, 0.25, 0.5, 0.7), (0.25, 0.5, 2.0), (1, 3, 9)
 OTHERS = ("gigpo", "hgpo", "arpo", "tree_grpo", "ppo", "igpo", "spa_rl", "agentprm", "craft")
 LONG = 3  # the long set's token budget: 3 x compare-methods.cfg's (360k)
 

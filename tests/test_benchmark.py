@@ -47,8 +47,7 @@ def test_sets_wait_for_their_inputs_and_the_choice_is_frozen(tmp_path):
         for lab in bm.sweep_labels():
             fake(r, lab, s, [0.3, score.get(lab, 0.35) + 0.01 * s, score.get(lab, 0.35)])
     assert [lab for lab, s in bm.plan("sweep-omega", r) if s == 0] == [
-        bm.twice("turn", 0.25, 0.5), bm.twice("turn", 0.25, 2.0), bm.twice("token", 0.5, 0.5),
-        bm.twice("token", 0.5, 2.0)]
+        *[bm.twice("turn", 0.25, w) for w in bm.OMEGAS], *[bm.twice("token", 0.5, w) for w in bm.OMEGAS]]
     with pytest.raises(SystemExit, match="runs are not done yet"):
         bm.plan("dev", r)
     for lab, s in bm.plan("sweep-omega", r):
