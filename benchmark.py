@@ -58,6 +58,7 @@ def twice(unit: str, budget: float, omega: float, method: str = "twice") -> str:
 def flags(label: str) -> list:
     """train_twice.py flags of a run label; ValueError names a label it cannot read."""
     out, name = [], label
+    unreadable = f"benchmark.py: cannot read the run label {label!r} (see LABELS in the module docstring)"
     if name.endswith("-360k"):
         out, name = [f"--token_budget={120000 * LONG}", f"--eval_tokens={30000 * LONG}"], name[:-len("-360k")]
     parts = name.split("-")
@@ -74,9 +75,9 @@ def flags(label: str) -> list:
             return out + ["--method=vineppo", f"--vine_k={int(parts[1][1:])}"]
         if len(parts) == 1 and name in OTHERS:
             return out + [f"--method={name}"]
-    except ValueError:
-        pass
-    raise ValueError(f"benchmark.py: cannot read the run label {label!r} (see LABELS in the module docstring)")
+    except ValueError as e:  # a number that does not parse
+        raise ValueError(unreadable) from e
+    raise ValueError(unreadable)
 
 
 # --- the committed outputs ---
@@ -92,12 +93,12 @@ def finished(folder: str) -> bool:
 
 def collect(labels, seeds, results: str = RESULTS, need_all: bool = True) -> dict:
     """{label: [(config, rows)]} of the finished committed runs; SystemExit naming what is missing if need_all."""
-    missing = [f"{lab} seed {s}" for lab in labels for s in seeds if not finished(run_dir(lab, s, results))]
+    done = {(lab, s): finished(run_dir(lab, s, results)) for lab in labels for s in seeds}
+    missing = [f"{lab} seed {s}" for (lab, s), ok in done.items() if not ok]
     if missing and need_all:
         raise SystemExit(f"benchmark.py: {len(missing)} runs are not done yet ({', '.join(missing[:6])}"
                          f"{', ...' if len(missing) > 6 else ''}): run their set first")
-    return {lab: [report.load_run(run_dir(lab, s, results)) for s in seeds if finished(run_dir(lab, s, results))]
-            for lab in labels}
+    return {lab: [report.load_run(run_dir(lab, s, results)) for s in seeds if done[lab, s]] for lab in labels}
 
 
 def mean_auc(runs: list, budget: float) -> float:
@@ -116,6 +117,11 @@ def best(runs: dict, labels: list) -> str:
     return max(labels, key=lambda lab: mean_auc(runs[lab], budget))
 
 
+def best_budgets(runs: dict) -> dict:
+    """{unit: the twin_budget of its best omega-1 run in the sweep}."""
+    return {u: float(best(runs, [twice(u, b, 1.0) for b in BUDGETS]).split("-")[2][1:]) for u in ("turn", "token")}
+
+
 def chosen(results: str = RESULTS, need: str = "knobs") -> dict:
     """The knobs chosen on the development seeds (results/chains/chosen.json; computed and written the first time
     they are asked for, from complete sweeps only, and never rewritten). need="long" also asks for the best TWICE
@@ -124,12 +130,9 @@ def chosen(results: str = RESULTS, need: str = "knobs") -> dict:
     out = json.load(open(path)) if os.path.isfile(path) else {}
     if "twice-turn" not in out:
         runs = collect(sweep_labels(), DEV_SEEDS, results)
-        units = {u: best(runs, [twice(u, b, 1.0) for b in BUDGETS]) for u in ("turn", "token")}
-        budgets = {u: float(units[u].split("-")[2][1:]) for u in units}
-        omegas = [twice(u, budgets[u], w) for u in units for w in OMEGAS]
-        runs.update(collect(omegas, DEV_SEEDS, results))
-        for u in units:
-            units[u] = best(runs, [twice(u, budgets[u], w) for w in (1.0, *OMEGAS)])
+        budgets = best_budgets(runs)
+        runs.update(collect([twice(u, b, w) for u, b in budgets.items() for w in OMEGAS], DEV_SEEDS, results))
+        units = {u: best(runs, [twice(u, b, w) for w in (1.0, *OMEGAS)]) for u, b in budgets.items()}
         turn = units["turn"].split("-")
         out.update({"twice-turn": units["turn"], "twice-token": units["token"],
                     "independent": f"independent-{turn[2]}-{turn[3]}",  # the turn unit's knobs, uncoupled
@@ -155,10 +158,8 @@ def plan(name: str, results: str = RESULTS) -> list:
     if name == "sweep":
         labels, seeds = sweep_labels(), DEV_SEEDS
     elif name == "sweep-omega":
-        runs = collect(sweep_labels(), DEV_SEEDS, results)
-        labels = [twice(u, float(best(runs, [twice(u, b, 1.0) for b in BUDGETS]).split("-")[2][1:]), w)
-                  for u in ("turn", "token") for w in OMEGAS]
-        seeds = DEV_SEEDS
+        budgets = best_budgets(collect(sweep_labels(), DEV_SEEDS, results))
+        labels, seeds = [twice(u, b, w) for u, b in budgets.items() for w in OMEGAS], DEV_SEEDS
     elif name == "dev":
         labels, seeds = dev_labels(chosen(results)), DEV_SEEDS
     elif name == "heldout":
