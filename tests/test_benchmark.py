@@ -97,3 +97,16 @@ def test_one_real_run_lands_in_the_results(tiny_world, tmp_path):
     assert "--twin_unit=token" in meta["argv"] and meta["wall_s"] > 0
     bad = bm.run_one("grpo", 0, str(tmp_path / "no-world"), str(tmp_path / "scratch"), str(tmp_path), TINY)
     assert bad.startswith("FAILED grpo seed 0") and not os.path.exists(bm.run_dir("grpo", 0, str(tmp_path)))
+
+
+def test_the_committed_tables_are_rebuilt_from_the_committed_runs(tmp_path):
+    """results/chains/tables.md is what `python benchmark.py report` makes of results/chains/runs and chosen.json
+    (a run added without rebuilding the tables, or a table edited by hand, fails here)."""
+    import shutil
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "chains")
+    assert len(os.listdir(os.path.join(src, "runs"))) >= 100, "the benchmark's run outputs are not committed"
+    shutil.copytree(src, tmp_path / "chains", ignore=shutil.ignore_patterns("*.png"))
+    rebuilt = bm.build_report(str(tmp_path / "chains"))
+    assert rebuilt == open(os.path.join(src, "tables.md")).read()
+    assert sorted(p.name for p in (tmp_path / "chains").glob("*.png")) == sorted(
+        p for p in os.listdir(src) if p.endswith(".png"))
