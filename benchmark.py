@@ -23,6 +23,7 @@ results/chains/chosen.json before the first run that needs them; an existing cho
 """
 import argparse
 import datetime
+import glob
 import hashlib
 import json
 import os
@@ -316,6 +317,8 @@ def build_report(results: str = RESULTS) -> str:
         walls = [json.load(open(os.path.join(run_dir(lab, s, results), "meta.json")))["wall_s"]
                  for lab in labels for s in seeds if os.path.isfile(os.path.join(run_dir(lab, s, results),
                                                                                  "meta.json"))]
+        for stale in glob.glob(os.path.join(results, f"{tag}_seeds*.png")):  # the seeds in its name may have grown
+            os.remove(stale)
         lines += section(title, runs, os.path.join(results, f"{tag}_seeds{{seeds}}.png"))
         lines += [f"{len(walls)} of {len(labels) * len(seeds)} runs done; {sum(walls) / 3600:.2f} h of run time "
                   "(one thread each, the sum over runs).", ""]
