@@ -2,6 +2,7 @@
 alone, and one real run through train_twice.py whose outputs land where the tables read them."""
 import json
 import os
+import shutil
 
 import pytest
 
@@ -102,7 +103,6 @@ def test_one_real_run_lands_in_the_results(tiny_world, tmp_path):
 def test_the_committed_tables_are_rebuilt_from_the_committed_runs(tmp_path):
     """results/chains/tables.md is what `python benchmark.py report` makes of results/chains/runs and chosen.json
     (a run added without rebuilding the tables, or a table edited by hand, fails here)."""
-    import shutil
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "chains")
     assert len(os.listdir(os.path.join(src, "runs"))) >= 100, "the benchmark's run outputs are not committed"
     shutil.copytree(src, tmp_path / "chains", ignore=shutil.ignore_patterns("*.png"))
