@@ -45,8 +45,8 @@ test-slow: install
 	$(qPY) -m pytest -q -m slow tests
 
 # A built-in world: corpus, questions, tokenizer, index and warm-start policy (DESIGN.md section 9). PRESET=tiny (the
-# demo's) or chains (1- to 4-hop chains: make world WORLD=data/chains PRESET=chains, ~10 min on one thread). world.py
-# builds on pinned numerics (numerics.py) and compares the world with worlds.lock; so does every target below that uses
+# demo's) or chains (1- to 4-hop chains: make world WORLD=data/chains PRESET=chains, ~10 min on one thread). worlds/build.py
+# builds on pinned numerics (infra/numerics.py) and compares the world with worlds.lock; so does every target below that uses
 # a world (VERIFY): a world that differs is not the one RESULTS.md measured, and the target fails unless
 # ALLOW_UNPINNED=1.
 # The committed worlds (worlds/<preset>-<seed>, the pinned builds that worlds.lock lists) are copied, not rebuilt: one
@@ -54,14 +54,14 @@ test-slow: install
 # bits on every CPU (RESULTS.md "Pinned numerics"). REBUILD=1 builds from source instead (and compares with the lock).
 PRESET  ?= tiny
 export ALLOW_UNPINNED ?= 0
-VERIFY   = $(qPY) world.py --verify
+VERIFY   = $(qPY) -m worlds.build --verify
 SHIPPED  = worlds/$(PRESET)-$(SEED)
 world: install $(tWORLD)/world.json
 	$(VERIFY) $(qWORLD)
 
 $(tWORLD)/world.json:
 	if [ -z "$(REBUILD)" ] && [ -f $(SHIPPED)/world.json ]; then mkdir -p $(qWORLD) && cp -R $(SHIPPED)/. $(qWORLD)/; \
-	else $(qPY) world.py --out $(qWORLD) --seed $(SEED) --preset $(PRESET); fi
+	else $(qPY) -m worlds.build --out $(qWORLD) --seed $(SEED) --preset $(PRESET); fi
 
 # Rebuild only the tiny world's dense index (e.g. after editing the corpus).
 index: install
@@ -84,14 +84,14 @@ demo-compare: install $(tWORLD)/world.json
 	for s in $(SEEDS); do for o in 0 1; do \
 	  OMP_NUM_THREADS=1 $(qPY) train_twice.py configs/demo.cfg configs/demo-compare.cfg --world=$(qWORLD) --seed=$$s \
 	    --omega=$$o --out_dir=$(call q,$(COMPARE))/omega$$o-seed$$s --overwrite || exit 1; done; done
-	$(qPY) report.py compare $(call q,$(COMPARE))/omega*-seed*
+	$(qPY) -m lab.report compare $(call q,$(COMPARE))/omega*-seed*
 
 # Every method at the same total of generated tokens (factual + auxiliary) per run: one run per method and
 # seed from the configs CMP_CFG, each stopped by token_budget (a method that spends tokens on twins or continuations
 # gets fewer steps); prints the table (EM at token marks, area under EM-vs-tokens, tokens to GRPO's final EM, wall time)
 # and writes $(CMP)/compare_methods_seeds<S>.png. JOBS runs at a time, one thread each (reruns give the same numbers), a
 # log per run in $(CMP)/<method>-seed<s>.log; finished runs are kept (rerun to fill in). Quick variant: SEEDS=0.
-# With GRPO among METHODS and two or more SEEDS, also the paired table (report.py paired: mean +- SE, minus GRPO).
+# With GRPO among METHODS and two or more SEEDS, also the paired table (lab/report.py paired: mean +- SE, minus GRPO).
 CMP_CFG  ?= configs/chains.cfg configs/compare-methods.cfg
 METHODS  ?= grpo twice independent vineppo gigpo hgpo arpo tree_grpo ppo igpo spa_rl agentprm craft
 CMP      ?= runs/compare-methods
@@ -109,30 +109,30 @@ compare-methods: install
 	  $${world:+"--world=$$world"} --seed=$$1 --method=$$0 \
 	  --out_dir="$$cmp/$$0-seed$$1" --overwrite > "$$cmp/$$0-seed$$1.log" 2>&1 || \
 	  { echo "$$0 seed $$1 failed: see $$cmp/$$0-seed$$1.log"; exit 255; }'
-	$(qPY) report.py methods $(CMP_RUNS)
-	$(if $(and $(filter grpo,$(METHODS)),$(word 2,$(SEEDS))),$(qPY) report.py paired $(CMP_RUNS))
+	$(qPY) -m lab.report methods $(CMP_RUNS)
+	$(if $(and $(filter grpo,$(METHODS)),$(word 2,$(SEEDS))),$(qPY) -m lab.report paired $(CMP_RUNS))
 
-# The benchmark on the pinned chains world (benchmark.py, RESULTS.md "Benchmark on the pinned chains world"), built
+# The benchmark on the pinned chains world (lab/benchmark.py, RESULTS.md "Benchmark on the pinned chains world"), built
 # up over several sittings: SET = sweep, sweep-omega, dev, heldout, long, in that order (each refuses to start before
 # the sets it depends on are complete). Finished runs are kept; every run's config, metrics and meta are copied into
 # results/chains/runs/ (commit them), and benchmark-report rebuilds results/chains/tables.md and its PNGs from there.
 SET ?= sweep
 benchmark: install
 	$(MAKE) world WORLD=data/chains PRESET=chains
-	$(qPY) benchmark.py run $(SET) --jobs $(JOBS)
-	$(qPY) benchmark.py report
+	$(qPY) -m lab.benchmark run $(SET) --jobs $(JOBS)
+	$(qPY) -m lab.benchmark report
 
 benchmark-report: install
-	$(qPY) benchmark.py report
+	$(qPY) -m lab.benchmark report
 
-# Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages; the methods.py rows
+# Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages; the methods/__init__.py rows
 # take their knobs from the world's trainer preset (configs/demo.cfg, or configs/chains.cfg for WORLD=data/chains).
 # (notdir splits at spaces: they are swapped out around it)
 AUDIT_OUT ?= $(if $(filter data/tinyworld,$(WORLD)),runs/audit,runs/audit-$(subst ^_^,$(space),$(notdir \
              $(subst $(space),^_^,$(WORLD)))))
 audit: install $(tWORLD)/world.json
 	$(VERIFY) $(qWORLD)
-	$(qPY) audit.py --world $(qWORLD) --out $(call q,$(AUDIT_OUT))
+	$(qPY) -m lab.audit --world $(qWORLD) --out $(call q,$(AUDIT_OUT))
 
 # Greedy exact match of a policy: make eval MODEL=runs/demo/twice/step_000030/policy
 MODEL ?= $(WORLD)/policy
@@ -142,10 +142,10 @@ eval: install $(tWORLD)/world.json
 
 # --- paper-scale reproduction ---
 # make reproduce-3b / reproduce-7b (DESIGN.md section 10; README "Paper-scale reproduction"), on one node of 8 GPUs:
-#   1 data (data.py searchr1) -> 2 models (hf download) -> 3 retriever server (server.py serve, shared by all ranks)
+#   1 data (worlds/data.py searchr1) -> 2 models (hf download) -> 3 retriever server (retrieval/server.py serve, shared by all ranks)
 #   -> 4 GRPO run and 5 TWICE run (accelerate launch train_twice.py, same preset, --omega=0 for GRPO)
 #   -> 6 greedy EM of both final policies on the seven test sets (eval.py, one test set per GPU) -> 7 the table
-#   runs/qwen2.5-3b-report.md (report.py paper), next to the paper's averages. The server is stopped at the end.
+#   runs/qwen2.5-3b-report.md (lab/report.py paper), next to the paper's averages. The server is stopped at the end.
 # Every step resumes: finished steps are skipped (their output or DONE stamp exists), downloads continue where they
 # stopped, a training run restarts from its last checkpoint. `make reproduce-3b DRY_RUN=1` prints every step's command
 # with its estimated time and disk, and runs nothing. Estimates are derived, not measured (README explains them).
@@ -205,7 +205,7 @@ $(tVENV)/.installed-gpu: requirements-gpu.txt $(tVENV)/.installed
 
 $(tSR1)/manifest.json:
 	$(info == step 1/7 data: $(EST_data))
-	$(qPY) data.py searchr1 --out $(qSR1)
+	$(qPY) -m worlds.data searchr1 --out $(qSR1)
 
 reproduce-models:
 	$(info == step 2/7 models: $(EST_models_$(SIZE)))
@@ -217,7 +217,7 @@ retriever-up:
 	$(info == step 3/7 retriever server on port $(PORT): $(EST_server))
 	mkdir -p $(qRUNS)
 	if ! $(HEALTH) 2>/dev/null; then \
-	  nohup $(qPY) server.py serve --index $(qSR1)/index --host $(RHOST) --port $(PORT) --fp16 --index_fp16 \
+	  nohup $(qPY) -m retrieval.server serve --index $(qSR1)/index --host $(RHOST) --port $(PORT) --fp16 --index_fp16 \
 	    > $(qRUNS)/retriever.log 2>&1 & echo $$! > $(qRUNS)/retriever.pid; fi
 	for i in $$(seq 360); do $(HEALTH) 2>/dev/null && exit 0; \
 	  if [ -f $(qRUNS)/retriever.pid ] && ! kill -0 $$(cat $(qRUNS)/retriever.pid) 2>/dev/null; then \
@@ -261,7 +261,7 @@ $(tRUN)-%/eval/DONE: $(tRUN)-%/DONE
 
 $(tRUN)-report.md: $(tRUN)-grpo/DONE $(tRUN)-twice/DONE $(tRUN)-grpo/eval/DONE $(tRUN)-twice/eval/DONE
 	$(info == step 7/7 report: $@)
-	$(qPY) report.py paper --paper $(SIZE) --out $(call q,$@) GRPO=$(qRUN)-grpo/eval TWICE=$(qRUN)-twice/eval
+	$(qPY) -m lab.report paper --paper $(SIZE) --out $(call q,$@) GRPO=$(qRUN)-grpo/eval TWICE=$(qRUN)-twice/eval
 
 # Two nodes of NGPU GPUs each: ZeRO-2's config for both sizes, widened by the flags (DDP does not fit: memory.json).
 # On node 0: `make retriever-up RHOST=<node 0's address>` (the server both nodes query), then on each node
@@ -284,13 +284,13 @@ train-2nodes: install install-gpu
 	  $${resume:+"--resume=$$resume"}
 
 # --- memory (DESIGN.md section 10) ---
-# The ledger: each preset's per-rank GPU memory per phase and category, from the code (python ledger.py; minutes on one
+# The ledger: each preset's per-rank GPU memory per phase and category, from the code (python -m perf.ledger; minutes on one
 # CPU thread); `make memory` rewrites memory.json and README's table. The first-GPU check: the ledger's prediction
 # against one GPU's allocator, decode tokens/s and one update's time, in runs/gpu_check.json (<= 8 minutes; ARGS=--tiny:
 # the same code on the CPU, <= 2 minutes).
 .PHONY: memory gpu-check
 memory: install
-	$(qPY) ledger.py --write --jobs 2
+	$(qPY) -m perf.ledger --write --jobs 2
 
 gpu-check: install
-	$(qPY) gpucheck.py --out runs/gpu_check.json $(ARGS)
+	$(qPY) -m perf.gpucheck --out runs/gpu_check.json $(ARGS)

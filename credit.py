@@ -14,7 +14,7 @@ RMS of the nonzero A_hat, which grows like 1/q and makes the expected twin term 
 fork law and credit are forks.py's.
 
 This file knows no episodes, models or ranks: the twins come from rollout.run_twins, the loop that joins them is
-train_twice.twin_credit. The baselines' formulas live with their trainers (baselines.py, learned.py), which reuse
+train_twice.twin_credit. The baselines' formulas live with their trainers (methods/baselines.py, methods/learned.py), which reuse
 grpo_advantages, group_index and as_array from here.
 
 Inputs are numpy arrays, lists or torch tensors (copied to float64 numpy); outputs are numpy. Group and state keys
@@ -24,12 +24,12 @@ Deviations (README "Deviations"; tagged `# DEVIATION C<n>:` below):
 C1. Groups of size 1 get advantage 0 (verl uses mean 0, std 1 there, i.e. the raw score).
 C2. solve_budget: decisions with p_t = 0 stay at q_min until every p_t > 0 decision is at q = 1; only then does the
    rest of the budget go to them, evenly. DESIGN.md does not say; this keeps sum q c = budget on the whole range.
-(C3-C5 are the baselines' formulas: baselines.py.)
+(C3-C5 are the baselines' formulas: methods/baselines.py.)
 C6. sigma_hat (twin_scale = d): sqrt of an EMA of the Horvitz-Thompson mean of D^2 per decision, taken from the
    batches before the one it scales; a batch without data leaves it. The paper says "a running scale"; its first
    form here (twin_scale = rms) made the expected twin term proportional to q.
 
-No entry point: train_twice.py and audit.py import these functions. Tests: `python -m pytest -q tests/test_credit.py`.
+No entry point: train_twice.py and lab/audit.py import these functions. Tests: `python -m pytest -q tests/test_credit.py`.
 """
 import math
 from typing import NamedTuple

@@ -9,7 +9,7 @@ Launch:
   python eval.py --model runs/demo/twice/step_000030/policy --data data/tinyworld/test.jsonl \
       --index data/tinyworld/index
   python eval.py --help                                  # every option with its default
-The paper's table from result files is report.py's (`python report.py paper GRPO=DIR TWICE=DIR --paper 3b`).
+The paper's table from result files is lab/report.py's (`python -m lab.report paper GRPO=DIR TWICE=DIR --paper 3b`).
 """
 import json
 import os
@@ -18,7 +18,7 @@ import string
 import sys
 from dataclasses import dataclass
 
-import config
+from infra import config
 import protocol
 import rollout
 from protocol import normalize_answer
@@ -267,7 +267,7 @@ def load_policy(path: str, device=None, dtype=None):
 
 
 def load_retriever(index: str = "", url: str = ""):
-    """In-process retriever over an index folder (dense, or BM25 when its meta.json says so: bm25.py), or a client of
+    """In-process retriever over an index folder (dense, or BM25 when its meta.json says so: retrieval/bm25.py), or a client of
     a Search-R1-style HTTP server."""
     import retriever
     if url:

@@ -152,7 +152,7 @@ def fork_credit(diffs, branched, q, r_k, pi_k) -> np.ndarray:
     return a
 
 
-# --- the audit's token-fork rows (audit.py --token_forks) ---
+# --- the audit's token-fork rows (lab/audit.py --token_forks) ---
 def audit_decisions(raw) -> "rollout.Decisions":
     """rollout.Decisions of the audited decisions, in audit order: the audited episode's turn and outcome, group
     success over it and every repeat's fresh lines."""

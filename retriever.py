@@ -1,9 +1,9 @@
 """Dense retrieval for the search agent: a transformer encoder (E5, MiniLM) + an exact inner-product FAISS index.
-BM25 (Lucene's, as pyserini's, without Java) is bm25.py: a folder whose meta.json names "bm25" is searched by it.
+BM25 (Lucene's, as pyserini's, without Java) is retrieval/bm25.py: a folder whose meta.json names "bm25" is searched by it.
 
 The library: encoders and their prefixes, corpus and index folders, in-process search (`DenseRetriever`) and the
 client of a Search-R1 compatible HTTP server (`RemoteRetriever`). It knows nothing of serving: the HTTP server and its
-load bench are server.py, which imports this file (never the reverse).
+load bench are retrieval/server.py, which imports this file (never the reverse).
 
 Contract (DESIGN.md sections 3 and 10; Search-R1 compatible)
 - Corpus: jsonl rows {"id": str | int, "contents": "\\"Title\\"\\ntext"} (wiki-18's format). The index folder keeps
@@ -20,7 +20,7 @@ Contract (DESIGN.md sections 3 and 10; Search-R1 compatible)
   one wins wherever it exists, so a copied world reads its own corpus). A folder that no longer matches its corpus is
   refused, naming what changed; a damaged meta.json or offsets.npy is refused, naming the file and the field.
 - Client: `RemoteRetriever.search` posts {"queries": [...], "topk": k, "return_scores": true} to POST /retrieve of a
-  Search-R1 compatible server (server.py's or Search-R1's own) and returns what `DenseRetriever.search` returns;
+  Search-R1 compatible server (retrieval/server.py's or Search-R1's own) and returns what `DenseRetriever.search` returns;
   refused connections and 5xx answers are retried, any other refusal is raised at once.
 
 Determinism: a query's results are a pure function of its text, whatever batch it comes in (a twin episode,
@@ -42,7 +42,7 @@ DESIGN.md section 5, replays a query inside another batch and must see the same 
       could only matter if more than CANDIDATE_MARGIN rows were within float32 rounding of the k-th score. Rows that
       a float64 sum and its error bound rule out of the top k are not summed exactly (`exact_top`): same answer.
 
-Deviations from Search-R1 (README "Deviations"; tagged `# DEVIATION S<n>:` in the code; the server's: server.py)
+Deviations from Search-R1 (README "Deviations"; tagged `# DEVIATION S<n>:` in the code; the server's: retrieval/server.py)
 S1. Scores are the exact inner products of (2), not FAISS's float32 sums (they differ by ~1e-7).
 S2. A topk above the corpus size returns every row (FAISS would pad with row -1); the rest of S2 is the server's.
 S4. An fp16 encoder's hidden states are pooled and normalised in float32 (Search-R1 pools in fp16).
@@ -54,7 +54,7 @@ S21. index_fp16 keeps the index's GPU shards in float16 (half of each training G
      candidates are not certified to hold the exact top k (`certified`) is searched again with twice as many, so
      the answers equal the float32 index's.
 
-Commands (serving an index: server.py)
+Commands (serving an index: retrieval/server.py)
   # tiny world (CPU): build, query
   python retriever.py build --corpus data/tinyworld/corpus.jsonl --encoder minilm --out data/tinyworld/index
   python retriever.py search --index data/tinyworld/index --topk 3 "who founded the city"
@@ -85,7 +85,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModel, AutoTokenizer
 
-import bm25
+from retrieval import bm25
 
 E5 = "intfloat/e5-base-v2"
 # known encoders -> (query prefix, passage prefix); any other with "e5" in its name gets E5's (Search-R1's rule)
@@ -151,7 +151,7 @@ def check_queries(queries, max_queries: int = MAX_QUERIES, max_query_bytes=None)
         except UnicodeEncodeError:  # DEVIATION S11: the tokenizer would fail (Search-R1: 500, and clients retry)
             raise ValueError(f"field 'queries'[{i}] is not valid Unicode (a lone surrogate?): "
                              f"{query[:40]!r}") from None
-        if max_query_bytes is not None and size > max_query_bytes:  # DEVIATION S15, server.py
+        if max_query_bytes is not None and size > max_query_bytes:  # DEVIATION S15, retrieval/server.py
             raise ValueError(f"field 'queries'[{i}] is {size} bytes long (UTF-8), at most {max_query_bytes} per query "
                              f"(only its first {MAX_LENGTH} tokens are read); shorten it, or start the server with a "
                              "larger --max_query_bytes")
@@ -431,7 +431,7 @@ def build_index(corpus: str, encoder: str, out: str, batch_size: int = 256, max_
 
 
 def build_bm25_index(corpus: str, out: str, max_length: int = MAX_LENGTH) -> dict:
-    """A BM25 folder (bm25.py): bm25s's files in bm25/, offsets.npy and meta.json as a dense folder's."""
+    """A BM25 folder (retrieval/bm25.py): bm25s's files in bm25/, offsets.npy and meta.json as a dense folder's."""
     out, offsets = _check_out_dir(out), array.array("q")
 
     def texts():
@@ -749,7 +749,7 @@ class DenseRetriever:
         return [[dict(doc) for doc in found[key]] for key in items]
 
     def _search_vectors(self, vecs: np.ndarray, topk: int) -> list:
-        if self.vectors is None:  # BM25: each query's own terms (bm25.py)
+        if self.vectors is None:  # BM25: each query's own terms (retrieval/bm25.py)
             tops = [self.index.top(terms, topk) for terms in vecs]
         else:
             tops = self._dense_tops(vecs, topk)
@@ -841,8 +841,8 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, range
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Retriever (dense, or BM25: bm25.py): build an index, describe a "
-                                                 "prebuilt one, search it (serve it: server.py).")
+    parser = argparse.ArgumentParser(description="Retriever (dense, or BM25: retrieval/bm25.py): build an index, describe a "
+                                                 "prebuilt one, search it (serve it: retrieval/server.py).")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="encode a jsonl corpus into an index folder")
     build.add_argument("--encoder", required=True, help="minilm, e5, a local folder or a hub id; bm25: BM25")
@@ -859,7 +859,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     search = sub.add_parser("search", help="print the top-k documents of each query")
     search.add_argument("--topk", type=int, default=TOPK)
     search.add_argument("queries", nargs="+")
-    # --index_path / --corpus_path: Search-R1's names (server.py serve takes the same)
+    # --index_path / --corpus_path: Search-R1's names (retrieval/server.py serve takes the same)
     search.add_argument("--index", "--index_path", dest="index", required=True)
     search.add_argument("--corpus", "--corpus_path", dest="corpus", default=None,
                         help="the corpus, if it moved since the build (required with an index file)")

@@ -16,8 +16,8 @@ without a rollout. continue_from runs Monte Carlo rollouts from turn boundaries 
 the baselines' extra rollouts). decision_table gives the budget rule its per-decision features and costs c_t;
 collate makes the right-padded training batch.
 
-It never touches an optimiser, computes no advantage (credit.py's) and samples no token itself (engine.py's).
-Driven by train_twice.py, methods.py, audit.py and eval.py.
+It never touches an optimiser, computes no advantage (credit.py's) and samples no token itself (generation/engine.py's).
+Driven by train_twice.py, methods/__init__.py, lab/audit.py and eval.py.
 
 Deviations (README "Deviations"; each tagged `# DEVIATION R<n>:` below; R1 is protocol.py's):
   R2. Queries longer than `max_query_chars` are truncated before retrieval (Search-R1 sends them whole).
@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 import credit
-from engine import generate_turn
+from generation.engine import generate_turn
 from protocol import INVALID_ACTION_MSG, extract_answer, information_block, parse_action, render_prompt, reward
-from rows import TurnStart
+from generation.rows import TurnStart
 from sampler import INDEPENDENT_TAG, UNCOUPLED_TAG, alt_key, episode_key, fresh_key, mix, stable_id, turn_key
 
 
@@ -80,7 +80,7 @@ class Episode:
     fork: TurnStart | None = None  # how turn fork.turn starts: given first tokens, a fork token's key and ban
 
     def start_for(self, turn: int):
-        """The TurnStart (rows.py) of `turn`, or None (the turn starts at position 0 on its turn key)."""
+        """The TurnStart (generation/rows.py) of `turn`, or None (the turn starts at position 0 on its turn key)."""
         return self.fork if self.fork is not None and self.fork.turn == turn else None
 
     def key_for(self, turn: int) -> int:
@@ -478,12 +478,13 @@ def turn_spans(episodes) -> list:
     return [[(len(ep.prompt_ids) + t.start, len(ep.prompt_ids) + t.end) for t in ep.turns] for ep in episodes]
 
 
-if __name__ == "__main__":  # python rollout.py replay ...: runs replay.py as a script (it imports this module)
-    import os
+if __name__ == "__main__":  # python rollout.py replay ...: the same as python -m lab.replay ... (lab/replay.py)
     import runpy
     import sys
     if sys.argv[1:2] != ["replay"]:
-        raise SystemExit("usage: python rollout.py replay --run DIR --step N --uid U --line L [--twin T | --twins] "
-                         "(replay.py)")
-    sys.argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.py")] + sys.argv[2:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+        print("usage: python rollout.py replay --run DIR --step N --uid U --line L [--twin T | --twins]\n\n"
+              "Re-sample one logged training episode from its checkpoint and print it (lab/replay.py; "
+              "python rollout.py replay --help lists every option).")
+        raise SystemExit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
+    sys.argv = ["rollout.py replay"] + sys.argv[2:]
+    runpy.run_module("lab.replay", run_name="__main__", alter_sys=True)

@@ -46,14 +46,14 @@ BRANCH_TAG = 0x6272616E       # "bran": branch_uniform, the budget rule's branch
 VINE_TAG = 0x76696E65         # "vine": VinePPO's rollouts from each turn boundary (baselines, audit)
 ARPO_TAG = 0x6172706F         # "arpo": ARPO's entropy-triggered branch draws and branches (baselines)
 TREE_TAG = 0x74726565         # "tree": Tree-GRPO's expansion draws and branches (baselines)
-ESTIMATOR_TAG = 0x657374      # "est": mini-batch order of a learned estimator's passes, not the actor's (learned.py)
+ESTIMATOR_TAG = 0x657374      # "est": mini-batch order of a learned estimator's passes, not the actor's (methods/learned.py)
 ORDER_TAG = 0x6F7264          # "ord": the audit's question order (audit)
 REROLL_TAG = 0x72726F6C       # "rrol": the audit's re-rolled factual episodes F_r (audit)
 GROUP_TAG = 0x67727030        # "grp0": the run seed of the audit's fresh GRPO lines (audit)
 METHOD_TAG = 0x6D657468       # "meth": F_r's own key for what a method samples from it (audit)
 FORK_TAG = 0x666F726B         # "fork": a token fork's draw of k ~ r_t (forks.py) and its re-rolled factual (audit)
 LINE_TAG = 0x6C696E65         # "line": the text-line reading of keys, line_key(turn key, line) for lines >= 1
-SCRIPT_TAG = 0x73637270       # "scrp": the memory ledger's scripted agent: its turns' lengths and actions (ledger.py)
+SCRIPT_TAG = 0x73637270       # "scrp": the memory ledger's scripted agent: its turns' lengths and actions (perf/ledger.py)
 
 
 def _fmix64(x: int) -> int:

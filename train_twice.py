@@ -22,7 +22,7 @@ Learning" (arXiv 2610.31544); reference design: DESIGN.md sections 5-6. One step
   omega (1 - pi_k) mean_j D^j / (q_t r_t(k) sigma_hat), unbiased for Q(s_k, y_k) - V(s_k) over sigma_hat.
   7. PPO-clip on token ratios (clip 0.2), token mean over loss-masked tokens, k3 KL to the
      frozen reference.
-omega = 0 is GRPO (no twins); --method=NAME trains a baseline (methods.py registry) through the same loop: its
+omega = 0 is GRPO (no twins); --method=NAME trains a baseline (methods/__init__.py registry) through the same loop: its
 rollout and its advantages replace steps 1-6.
 
 How this differs from textbook GRPO (as Search-R1/verl run it): turn-level twin credit is added to
@@ -34,13 +34,13 @@ Launch:
   make demo                                            # CPU, built-in tiny world, minutes
   python train_twice.py --help                         # every option, its default and meaning
   python train_twice.py configs/qwen2.5-3b.cfg --steps=5                   # one GPU, real model
-  python train_twice.py configs/demo.cfg --lora_rank=8 --lora_alpha=16 --lr=2e-3   # LoRA adapters (lora.py)
+  python train_twice.py configs/demo.cfg --lora_rank=8 --lora_alpha=16 --lr=2e-3   # LoRA adapters (infra/lora.py)
   accelerate launch --config_file configs/accelerate_zero2.yaml train_twice.py \
       configs/qwen2.5-3b.cfg                                               # 8 GPUs (DeepSpeed ZeRO-2)
   ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
       train_twice.py configs/demo.cfg                                      # 2 CPU ranks
 """
-import numerics  # noqa: F401  first: pins the CPU math libraries before numpy and torch load (numerics.py)
+from infra import numerics  # noqa: F401  first: pins the CPU math libraries before numpy and torch load (infra/numerics.py)
 
 import contextlib
 import copy
@@ -54,18 +54,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import baselines
-import checkpoint
-import config
+from methods import baselines
+from infra import checkpoint
+from infra import config
 import credit
-import engine
+from generation import engine
 import eval as qa_eval
 import forks
-import logprobs
-import lora
+from generation import logprobs
+from infra import lora
 import methods
 import protocol
-import report
+from lab import report
 import rollout
 import sampler
 
@@ -74,7 +74,7 @@ import sampler
 class Config:
     """Every knob of a run (DESIGN.md sections 3-7), paper defaults."""
     # --- io ---
-    world: str = "data/tinyworld"   # world folder (world.py): fills the blank paths below
+    world: str = "data/tinyworld"   # world folder (worlds/build.py): fills the blank paths below
     model: str = ""                 # initial policy and reference: hub id or folder
     train_data: str = ""            # QA .jsonl/.parquet (id, question, golden_answers, data_source)
     eval_data: str = ""             # comma-separated QA files for periodic greedy evaluation
@@ -100,7 +100,7 @@ class Config:
     sync_every: int = 16            # decode steps between read-backs of sampled tokens to the host (cached engine)
     cuda_graphs: bool = False       # replay the decode step as CUDA graphs, one per shape (cached engine, CUDA)
     # --- credit (DESIGN 5, 7) ---
-    method: str = "twice"           # twice, or a baseline of methods.py's registry (grpo, vineppo, ...)
+    method: str = "twice"           # twice, or a baseline of methods/__init__.py's registry (grpo, vineppo, ...)
     omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (method=grpo)
     twin_budget: float = 0.7        # expected twin tokens / factual tokens (sum_t q_t c_t)
     q_min: float = 0.05             # q_min, floor of the branch probability
@@ -118,7 +118,7 @@ class Config:
     line_keys: str = "group"        # "line" of the key tuple: "group" (the sample's line in its group) or "text" (the
     #                                 text line inside the turn: keys restart after every newline), DESIGN 5
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
-    # --- baselines (DESIGN 7; baselines.py, learned.py): read only by the method they name ---
+    # --- baselines (DESIGN 7; methods/baselines.py, methods/learned.py): read only by the method they name ---
     vine_k: int = 9                 # vineppo: K Monte Carlo continuations per turn boundary (Kazemnejad et al.: 9)
     step_gamma: float = 0.95        # gigpo, hgpo: gamma of the step return R_t = gamma^(T-1-t) U (GiGPO: 0.95)
     hgpo_k: int = 2                 # hgpo: longest history context K of the step groups (levels k = 0..K)
@@ -153,8 +153,8 @@ class Config:
     gradient_checkpointing: bool = False  # trade compute for memory (real models)
     ref_offload: bool = False       # the reference stays in host memory but for its log-prob pass (GPU memory)
     collective_timeout_h: float = 6.0  # hours a collective may wait for a rank before the run fails (torch: 10 min)
-    # --- lora (DESIGN 6, lora.py): train adapters W' = W + (alpha / r) B A instead of every weight ---
-    lora_rank: int = 0              # r, rank of the adapters (lora.py); 0 = off: full fine-tuning
+    # --- lora (DESIGN 6, infra/lora.py): train adapters W' = W + (alpha / r) B A instead of every weight ---
+    lora_rank: int = 0              # r, rank of the adapters (infra/lora.py); 0 = off: full fine-tuning
     lora_alpha: float = 32.0        # alpha: the adapters' update is scaled by alpha / r (dimensionless)
     lora_dropout: float = 0.0       # dropout probability on the adapters' input; only 0 (lora.checks says why)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules given adapters (Qwen2's)
@@ -164,7 +164,7 @@ class Config:
     eval_tokens: int = 0            # also evaluate at the first step and whenever generated tokens pass a multiple
     eval_size: int = 0              # questions per periodic evaluation (0 = all; the final: all)
     save_every: int = 0             # steps between checkpoints (0 = only at the end)
-    log_episodes: int = 2           # episodes per step logged as text and tokens (episodes.jsonl; replay.py)
+    log_episodes: int = 2           # episodes per step logged as text and tokens (episodes.jsonl; lab/replay.py)
     keep_checkpoints: int = 2       # newest checkpoints kept besides the last one; older are deleted (0 = keep all)
     log_tensorboard: bool = True    # every metric as TensorBoard scalars too (out_dir/tb)
     log_wandb: bool = False         # Weights & Biases too (WANDB_MODE=offline: no network)
@@ -214,7 +214,7 @@ class Config:
                  ("tree_m", self.tree_m <= self.group_size, "<= group_size")])
 
 
-def parse_config(argv) -> Config:  # preset files, then --key=value overrides (config.py)
+def parse_config(argv) -> Config:  # preset files, then --key=value overrides (infra/config.py)
     return config.parse(Config, argv, "train_twice.py")
 
 
@@ -253,7 +253,7 @@ def gather_list(accel, items: list) -> list:
 
 def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False, positions=None):
     """log pi(x_{k+1} | x_<=k) of softmax(logits / T) at every position k, (B, L-1); optionally
-    its entropy. Chunked through the LM head (logprobs.py): no (B, L, V) tensor."""
+    its entropy. Chunked through the LM head (generation/logprobs.py): no (B, L, V) tensor."""
     return logprobs.token_logprobs(model, input_ids, attention_mask, temperature, with_entropy, positions)
 
 
@@ -601,7 +601,7 @@ def setup(cfg: Config) -> Run:
         numerics.require("this CPU training run")
     if cfg.lora_rank and accel.distributed_type == "DEEPSPEED":  # its save_state writes the whole model
         raise ValueError("lora_rank > 0 runs under DDP (configs/accelerate_ddp.yaml), not DeepSpeed: the adapters' "
-                         "gradients and AdamW state are small enough to hold whole on each GPU (python lora.py memory)")
+                         "gradients and AdamW state are small enough to hold whole on each GPU (python -m infra.lora memory)")
     torch.manual_seed(cfg.seed)
     half = torch.bfloat16 if cfg.bf16 else torch.float32
     deepspeed = accel.distributed_type == DistributedType.DEEPSPEED

@@ -2,14 +2,16 @@ import os
 import sys
 
 import pytest
-import torch  # noqa: F401  before any project module: numerics.py then leaves this process and its env unpinned
+import torch  # noqa: F401  before any project module: infra/numerics.py then leaves this process and its env unpinned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the scripts are flat files at the repository root, imported as modules
+sys.path.insert(0, ROOT)  # the modules are imported from the repository root (folders as packages)
+# child processes too: `python -m lab.audit` and the like, started from any working directory
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # In-process tests run on this machine's own numerics and compare with in-process results; a script run in a
-# subprocess pins itself (numerics.py), and the tests of the pins themselves drop this variable. Set, not defaulted:
+# subprocess pins itself (infra/numerics.py), and the tests of the pins themselves drop this variable. Set, not defaulted:
 # the Makefile exports ALLOW_UNPINNED=0 for its world targets, and `make test` inherits it.
 os.environ["ALLOW_UNPINNED"] = "1"
 
@@ -27,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory):
     """The built-in tiny world at test scale (same files and formats as `make world`), built once per session."""
-    import world
+    from worlds import build as world
     out = tmp_path_factory.mktemp("tinyworld") / "world"
     world.build_world(str(out), seed=0, scale="test")
     return str(out)

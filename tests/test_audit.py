@@ -1,4 +1,4 @@
-"""Tests for audit.py: every estimator against Q(s_t, y_t) and V(s_t) computed EXACTLY by enumeration.
+"""Tests for lab/audit.py: every estimator against Q(s_t, y_t) and V(s_t) computed EXACTLY by enumeration.
 
 The policy is a tiny random Qwen2 whose logits are masked by a small grammar (turn start -> <search> / <answer> /
 EOS, then a, b or c, then a closing tag or EOS), so a turn has at most 19 token sequences and a 2-turn episode
@@ -20,13 +20,13 @@ from scipy import stats
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-import audit
-import audit_methods
-import baselines
-import engine
+from lab import audit
+from lab import audit_methods
+from methods import baselines
+from generation import engine
 import methods
 import protocol
-import report
+from lab import report
 import rollout
 
 WORDS = ["[UNK]", "<|im_end|>", "<search>", "</search>", "<answer>", "</answer>", "a", "b", "c"]
@@ -379,7 +379,7 @@ def test_shortcut_bias_is_per_decision_not_a_signed_mean():
     assert sc["tokens_saved_share"] == pytest.approx(32 / 60)
 
 
-# --- the methods.py rows: the method's own turn_advantages, F_r's decision turn, learned estimators trained ---
+# --- the methods/__init__.py rows: the method's own turn_advantages, F_r's decision turn, learned estimators trained ---
 @pytest.fixture(scope="module")
 def method_setup():
     """Two prompts with a 2-turn factual episode each (decisions t = 0, 1: a search, then a successful answer),
@@ -463,7 +463,7 @@ def test_cli_token_forks_and_text_line_keys(tiny_world, tmp_path):
 
 
 def test_compare_coupling_by_hand(tmp_path):
-    """report.py coupling: pooled token agreement and the variance ratio per audit with bootstrap SEs, and the paired
+    """lab/report.py coupling: pooled token agreement and the variance ratio per audit with bootstrap SEs, and the paired
     difference over the decisions two audits share (matched by question and turn)."""
     def audit_json(name, rows, line_keys):
         d = tmp_path / name

@@ -1,4 +1,4 @@
-"""baselines.py: each formula and advantage against a hand computation or exact enumeration on a small setting,
+"""methods/baselines.py: each formula and advantage against a hand computation or exact enumeration on a small setting,
 the trees' structure and keys on the tiny world, and two training steps + exact resume for every method."""
 import itertools
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import baselines
+from methods import baselines
 import credit
 import eval as qa_eval
 import protocol

@@ -1,4 +1,4 @@
-"""benchmark.py: run labels, the order of the sets and the frozen choice of knobs, the tables from committed outputs
+"""lab/benchmark.py: run labels, the order of the sets and the frozen choice of knobs, the tables from committed outputs
 alone, and one real run through train_twice.py whose outputs land where the tables read them."""
 import json
 import os
@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-import benchmark as bm
-import report
+from lab import benchmark as bm
+from lab import report
 
 TINY = ["--prompts_per_step=2", "--group_size=2", "--max_new_tokens=24", "--max_obs_tokens=200", "--max_turns=2",
         "--max_context=768", "--micro_batch_size=4", "--eval_size=4", "--gen_batch_size=16", "--token_budget=200",
@@ -101,7 +101,7 @@ def test_one_real_run_lands_in_the_results(tiny_world, tmp_path):
 
 
 def test_the_committed_tables_are_rebuilt_from_the_committed_runs(tmp_path):
-    """results/chains/tables.md is what `python benchmark.py report` makes of results/chains/runs and chosen.json
+    """results/chains/tables.md is what `python -m lab.benchmark report` makes of results/chains/runs and chosen.json
     (a run added without rebuilding the tables, or a table edited by hand, fails here)."""
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "chains")
     assert len(os.listdir(os.path.join(src, "runs"))) >= 100, "the benchmark's run outputs are not committed"

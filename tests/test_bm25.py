@@ -1,4 +1,4 @@
-"""Tests for bm25.py and BM25 index folders of retriever.py: the analyzer, Lucene's BM25 computed by hand, ranking
+"""Tests for retrieval/bm25.py and BM25 index folders of retriever.py: the analyzer, Lucene's BM25 computed by hand, ranking
 against a plain implementation, batch invariance, identical builds, ties, named folder errors, read-only storage and
 the CLI. The HTTP server over a BM25 folder: tests/test_server.py; a training run with one: tests/test_train.py."""
 import builtins
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import bm25
+from retrieval import bm25
 import retriever as R
 from test_retriever import NAME0, ROOT, bits, make_rows, queries_of_mixed_lengths, write_corpus
 
@@ -281,9 +281,9 @@ def test_a_folder_on_read_only_storage_loads_and_writes_nothing(world, fresh, tm
 
 
 def test_bench_retrieval_times_both_and_bm25_finds_each_querys_row(tmp_path):
-    """`bench.py retrieval` at a tiny size: both retrievers timed, and BM25 puts the row each query was drawn from
+    """`perf/bench.py retrieval` at a tiny size: both retrievers timed, and BM25 puts the row each query was drawn from
     (its unique invented title and three of its words) first."""
-    import bench
+    from perf import bench
     r = bench.bench_retrieval(rows=300, queries=20, batch=8, rounds=1, out=str(tmp_path))
     assert r["bm25_hit_rate"] == 1.0
     assert json.load(open(tmp_path / "dense" / "index" / "meta.json"))["n_rows"] == 300

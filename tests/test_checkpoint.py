@@ -1,4 +1,4 @@
-"""checkpoint.py: one run per folder at a time, a complete checkpoint at every instant, a resume only into its own
+"""infra/checkpoint.py: one run per folder at a time, a complete checkpoint at every instant, a resume only into its own
 run's folder, --overwrite only of this project's run folders, and errors that name the broken checkpoint file."""
 import json
 import os
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import checkpoint
+from infra import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

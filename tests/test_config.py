@@ -1,4 +1,4 @@
-"""config.py: a value that would mislead or fail later is refused when it is read, naming the field."""
+"""infra/config.py: a value that would mislead or fail later is refused when it is read, naming the field."""
 import pytest
 
 import train_twice as tt

@@ -1,4 +1,4 @@
-"""Tests for engine.py: a row's tokens do not depend on its batch, its padding or its chunk, and the model's own
+"""Tests for generation/engine.py: a row's tokens do not depend on its batch, its padding or its chunk, and the model's own
 generation config cannot alter the keyed draw (plain and cached paths); test_speed.py compares the two paths."""
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 from test_rollout import FakeRetriever, byte_tok, one_thread, questions, word_model, word_tok  # noqa: F401
 from transformers import GenerationConfig
 
-import engine
+from generation import engine
 import rollout
 from protocol import Protocol
 

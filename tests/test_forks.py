@@ -1,5 +1,5 @@
 """Tests for forks.py and the token-fork path: the token columns and fork law by hand, and the unbiasedness proof by
-exact enumeration on test_audit.py's grammar world, every twin and continuation through rollout.py and engine.py.
+exact enumeration on test_audit.py's grammar world, every twin and continuation through rollout.py and generation/engine.py.
 
 Exact values: V(s_k) of a state inside turn t (its first k tokens given) is sum over the turn's completions of their
 probability (the model's softmax, the protocol's stop rule) times the exact value after executing the turn
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from test_audit import PROTO, assert_unbiased, clone, exact_values, next_probs, one_thread, world  # noqa: F401
 
-import audit
-import engine
+from lab import audit
+from generation import engine
 import forks
 import protocol
 import rollout

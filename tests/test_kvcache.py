@@ -1,4 +1,4 @@
-"""Tests for kvcache.py and the cached engine's decode over it (DESIGN.md section 11): the slot cache's size is
+"""Tests for generation/kvcache.py and the cached engine's decode over it (DESIGN.md section 11): the slot cache's size is
 cache_bytes; the fixed-shape step (what CUDA graphs capture, run eagerly here), every read-back interval and device
 stop tables that flag every token or none all sample exactly the generate path's tokens; the cache is allocated once
 and never copied whole; read-backs stay at one per sync_every steps."""
@@ -7,12 +7,12 @@ import torch
 from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_model, word_tok  # noqa: F401
 from transformers import Qwen2Config
 
-import bench_engine
-import engine
-import kvcache
+from perf import bench_engine
+from generation import engine
+from generation import kvcache
 import rollout
 import sampler
-import stops
+from generation import stops
 from protocol import Protocol
 
 

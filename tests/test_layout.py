@@ -51,8 +51,8 @@ def test_the_method_chain_imports_one_way():
         assert not later, f"{m} imports {later}, which come after it in {ORDER}"
 
 
-@pytest.mark.parametrize("script", ["train_twice.py", "audit.py", "eval.py", "report.py", "world.py", "data.py",
-                                    "retriever.py", "server.py", "lora.py", "numerics.py"])
+@pytest.mark.parametrize("script", ["train_twice.py", "lab/audit.py", "eval.py", "lab/report.py", "worlds/build.py", "worlds/data.py",
+                                    "retriever.py", "retrieval/server.py", "infra/lora.py", "infra/numerics.py"])
 def test_every_script_answers_help(script):
     for flag in ("--help", "-h"):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, script), flag], capture_output=True, text=True,

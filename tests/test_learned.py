@@ -1,4 +1,4 @@
-"""learned.py (ppo, spa_rl, agentprm) and the token-level baselines (igpo, craft): hand-computed targets and
+"""methods/learned.py (ppo, spa_rl, agentprm) and the token-level baselines (igpo, craft): hand-computed targets and
 advantages, the estimators' losses falling on a fixed batch, two training steps and exact resume per method."""
 import json
 import math
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import baselines
+from methods import baselines
 import credit
-import learned
-import logprobs
+from methods import learned
+from generation import logprobs
 import methods
 import protocol
 import rollout

@@ -1,4 +1,4 @@
-"""Tests for the memory ledger (ledger.py, memprobe.py, memtrack.py, gpucheck.py) and the memory fixes it led to
+"""Tests for the memory ledger (perf/ledger.py, perf/memprobe.py, perf/memtrack.py, perf/gpucheck.py) and the memory fixes it led to
 (DESIGN.md section 10): the tracker counts storages exactly; a small probe measures a wider model exactly; the ledger
 predicts a measured run within 10% per phase (the first-GPU check at its tiny size); the README's table is
 memory.json's and both presets fit 80 GiB with 10% headroom, the engine's slot cache inside; KV caches and the slot
@@ -14,13 +14,13 @@ import torch
 from transformers import Qwen2Config
 from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_model, word_tok  # noqa: F401
 
-import engine
-import gpucheck
-import kvcache
-import ledger
-import lora
-import memprobe
-import memtrack
+from generation import engine
+from perf import gpucheck
+from generation import kvcache
+from perf import ledger
+from infra import lora
+from perf import memprobe
+from perf import memtrack
 import rollout
 import train_twice as tt
 from protocol import Protocol
@@ -133,13 +133,13 @@ def test_zero2_layout_by_hand():
 
 # --- the README's table and the presets' fit ---
 def test_readme_memory_table_is_memory_json_and_both_presets_fit():
-    saved = json.load(open(os.path.join(ROOT, "memory.json")))
+    saved = json.load(open(os.path.join(ROOT, "results", "memory.json")))
     assert ledger.readme_table() == ledger.table(saved)
     for size, path in ledger.PRESETS.items():
         led = saved[size]
         assert led["headroom"] >= 0.10 and led["peak_gib"] <= 0.9 * led["gpu_gib"] == 72, (size, led["peak_gib"])
         cfg = memprobe.step_config(os.path.join(ROOT, path))
-        assert led["config"] == ledger.config_of(cfg), f"{path} changed since memory.json: run python ledger.py --write"
+        assert led["config"] == ledger.config_of(cfg), f"{path} changed since memory.json: run python -m perf.ledger --write"
         assert set(led["phases"]) == set(ledger.PHASES)
         # the engine's slot cache (kvcache.cache_bytes at CUDA's size) is inside the decode batch while episodes and
         # twins are drawn, and gone (with every KV entry) from the log-prob passes on
@@ -155,7 +155,7 @@ def test_readme_memory_table_is_memory_json_and_both_presets_fit():
 
 @pytest.mark.slow
 def test_memory_json_is_what_the_code_produces(tmp_path):
-    saved = json.load(open(os.path.join(ROOT, "memory.json")))
+    saved = json.load(open(os.path.join(ROOT, "results", "memory.json")))
     for size, path in ledger.PRESETS.items():
         now = ledger.preset_ledger(os.path.join(ROOT, path))
         for phase in ledger.PHASES:
@@ -201,7 +201,7 @@ def test_stacked_values_keep_their_own_dtype():
     assert vs[1, :, :3].eq(0).all() and vs[1, :, 3:].eq(1).all()
 
 
-def test_on_device_leaves_a_model_already_there_as_it_is():  # the move itself needs a GPU (gpucheck.py)
+def test_on_device_leaves_a_model_already_there_as_it_is():  # the move itself needs a GPU (perf/gpucheck.py)
     model = tiny_model(20, seed=2)
     before = [p.data_ptr() for p in model.parameters()]
     with tt.on_device(model, "cpu") as same:

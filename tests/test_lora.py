@@ -1,4 +1,4 @@
-"""lora.py and train_twice.py with lora_rank > 0: the fields are checked, an update changes only the adapters, the
+"""infra/lora.py and train_twice.py with lora_rank > 0: the fields are checked, an update changes only the adapters, the
 reference is the frozen base, --resume continues exactly, the merged export loads without peft and computes the
 adapted policy, replay re-samples a LoRA run's steps, 2 CPU ranks with gradient checkpointing stay in sync, and the
 memory figures count what a built model holds."""
@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 
 import eval as qa_eval
-import logprobs
-import lora
-import replay
+from generation import logprobs
+from infra import lora
+from lab import replay
 import train_twice as tt
 from test_train import ROOT, assert_ranks_in_sync, cpu_launch, read_metrics, tiny_cfg
 

@@ -35,17 +35,17 @@ def test_paths_with_spaces_and_quotes_arrive_whole(tmp_path):
     py = f"{venv}/bin/python"
     demo = words(make("demo", *paths))
     assert demo[demo.index("venv") + 1] == venv  # python3 -m venv <VENV>
-    assert demo[demo.index("--out", demo.index("world.py")) + 1] == world  # the build
-    assert after(demo, "--verify", "world.py") == world and after(demo, "configs/demo.cfg") == f"--world={world}"
-    assert demo.count(py) >= 5  # pip twice, world.py (build, then the check against worlds.lock), train_twice.py
+    assert demo[demo.index("--out", demo.index("worlds.build")) + 1] == world  # the build
+    assert after(demo, "--verify", "worlds.build") == world and after(demo, "configs/demo.cfg") == f"--world={world}"
+    assert demo.count(py) >= 5  # pip twice, worlds/build.py (build, then the check against worlds.lock), train_twice.py
     ev = words(make("eval", *paths))
     assert [after(ev, flag, "eval.py") for flag in ("--model", "--data", "--index")] == [
         model, f"{world}/test.jsonl", f"{world}/index"]
     audit = words(make("audit", *paths))
-    assert after(audit, "--world", "audit.py") == world and after(audit, "--out", "audit.py") == "runs/audit-world"
-    assert after(audit, "--verify", "world.py") == world
+    assert after(audit, "--world", "lab.audit") == world and after(audit, "--out", "lab.audit") == "runs/audit-world"
+    assert after(audit, "--verify", "worlds.build") == world
     audit = words(make("audit", f"WORLD={base}/my world", f"AUDIT_OUT={base}/audit out"))
-    assert after(audit, "--out", "audit.py") == f"{base}/audit out"
+    assert after(audit, "--out", "lab.audit") == f"{base}/audit out"
     assert words(make("audit", f"WORLD={base}/my world"))[-1] == "runs/audit-my world"  # the default, from WORLD
     idx = words(make("index", *paths))
     assert after(idx, "--corpus", "retriever.py") == f"{world}/corpus.jsonl" and idx[-1] == f"{world}/index"
@@ -55,23 +55,23 @@ def test_paths_with_spaces_and_quotes_arrive_whole(tmp_path):
     cm = words(make("compare-methods", *paths, f"CMP={cmp}", "SEEDS=0 1", "METHODS=grpo twice"))
     assert cm[cm.index("mkdir") + 2] == cmp and f"{cmp}/$m-seed$s/metrics.jsonl" in cm
     assert {f"cmp={cmp}", f"world={world}", f"py={py}"} <= set(cm)  # the sh -c script reads them from its environment
-    assert after(cm, "--verify", "world.py") == world and after(dc, "--verify", "world.py") == world
-    assert after(words(make("compare-methods", "SEEDS=0", "METHODS=grpo")), "--verify", "world.py") == "data/chains"
+    assert after(cm, "--verify", "worlds.build") == world and after(dc, "--verify", "worlds.build") == world
+    assert after(words(make("compare-methods", "SEEDS=0", "METHODS=grpo")), "--verify", "worlds.build") == "data/chains"
     script = cm[cm.index("-c") + 1]
     assert base not in script and '--out_dir="$cmp/$0-seed$1"' in script
     for m, s in (("grpo", 0), ("twice", 1)):
-        assert cm.count(f"{cmp}/{m}-seed{s}") == 2  # report.py methods and report.py paired
+        assert cm.count(f"{cmp}/{m}-seed{s}") == 2  # lab/report.py methods and lab/report.py paired
 
 
 def test_reproduce_dry_run_with_spaces_in_sr1_and_runs(tmp_path):
     sr1, runs = str(tmp_path / "s r1"), str(tmp_path / "my runs")
     run = f"{runs}/qwen2.5-3b"
     w = words(make("reproduce-3b", "DRY_RUN=1", f"SR1={sr1}", f"RUNS={runs}", dry=False))
-    assert after(w, "--out", "data.py") == sr1 and after(w, "--index", "server.py") == f"{sr1}/index"
+    assert after(w, "--out", "worlds.data") == sr1 and after(w, "--index", "retrieval.server") == f"{sr1}/index"
     assert f"--out_dir={run}-grpo" in w and f"--out_dir={run}-twice" in w
     assert f"{run}-grpo/step_??????" in w and f"{run}-twice/DONE" in w  # resume look-up, DONE stamp
     assert after(w, "--data", "eval.py") == f"{sr1}/test/$t.jsonl" and f"{run}-twice/eval/$t.json" in w
-    assert after(w, "--out", "report.py") == f"{run}-report.md" and f"GRPO={run}-grpo/eval" in w
+    assert after(w, "--out", "lab.report") == f"{run}-report.md" and f"GRPO={run}-grpo/eval" in w
     assert f"{runs}/retriever.pid" in w and f"{run}-twice/eval/DONE" in w
     assert not os.path.exists(sr1) and not os.path.exists(runs)  # nothing ran
 
@@ -105,4 +105,4 @@ def test_two_node_commands_fill_the_placeholders(tmp_path):
         "configs/accelerate_zero2.yaml", "2", "1", "10.1.2.3", "29600"]
     assert {f"--out_dir={out}", "--retriever_url=http://10.1.2.3:8000/retrieve", "--steps=3"} <= set(w)
     assert f"{out}/step_??????" in w  # continues from its last checkpoint
-    assert after(words(make("retriever-up", "RHOST=10.1.2.3")), "--host", "server.py") == "10.1.2.3"
+    assert after(words(make("retriever-up", "RHOST=10.1.2.3")), "--host", "retrieval.server") == "10.1.2.3"

@@ -1,5 +1,5 @@
-"""methods.py, the registry: every name builds its trainer, and every trainer answers the one hook train_step calls."""
-import baselines
+"""methods/__init__.py, the registry: every name builds its trainer, and every trainer answers the one hook train_step calls."""
+from methods import baselines
 import methods
 import train_twice as tt
 

@@ -1,11 +1,11 @@
-"""Tests for numerics.py: a fresh process is pinned whatever its environment asked for; a process that loaded torch
+"""Tests for infra/numerics.py: a fresh process is pinned whatever its environment asked for; a process that loaded torch
 first is refused (or, with ALLOW_UNPINNED=1, warned); the checks read what the libraries really run with."""
 import json
 import os
 import subprocess
 import sys
 
-import numerics
+from infra import numerics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k != "ALLOW_UNPINNED"}
@@ -23,14 +23,14 @@ def report_of(proc) -> dict:
 
 def test_a_fresh_process_is_pinned_whatever_its_environment_asked_for():
     hostile = dict(OMP_NUM_THREADS="2", MKL_CBWR="AVX512", ATEN_CPU_CAPABILITY="avx512", FAISS_SIMD_LEVEL="NONE")
-    proc = run(["numerics.py", "--probe"], **hostile)
+    proc = run(["-m", "infra.numerics", "--probe"], **hostile)
     report = report_of(proc)
     assert report["in_force"] == {"cpu_capability": "AVX2", "threads": 1, "mkl_branch": "COMPATIBLE",
                                   "faiss_simd": "AVX2"}
     assert report["pins"] == numerics.PINS and proc.stdout.rstrip().endswith("pinned: no problem")
     for note in ("OMP_NUM_THREADS=2", "MKL_CBWR=AVX512", "ATEN_CPU_CAPABILITY=avx512", "FAISS_SIMD_LEVEL=NONE"):
         assert f"numerics: {note} replaced by the pinned value" in proc.stderr
-    assert report_of(run(["numerics.py", "--probe"]))["probe"] == report["probe"]  # the same bits either way
+    assert report_of(run(["-m", "infra.numerics", "--probe"]))["probe"] == report["probe"]  # the same bits either way
 
 
 def test_torch_loaded_first_is_refused_or_with_allow_unpinned_warned():
@@ -38,7 +38,7 @@ def test_torch_loaded_first_is_refused_or_with_allow_unpinned_warned():
     refused = run(["-c", code])
     assert refused.returncode == 1 and refused.stdout == ""
     assert "this check is not on pinned numerics" in refused.stderr
-    assert "numpy, torch loaded before numerics.py" in refused.stderr and "Set ALLOW_UNPINNED=1" in refused.stderr
+    assert "numpy, torch loaded before infra/numerics.py" in refused.stderr and "Set ALLOW_UNPINNED=1" in refused.stderr
     warned = run(["-c", code], ALLOW_UNPINNED="1")
     assert warned.returncode == 0 and warned.stdout.strip() == "False" and "ALLOW_UNPINNED=1: going on" in warned.stderr
 
@@ -55,5 +55,5 @@ def test_the_checks_read_the_libraries_not_the_environment():
 
 def test_this_test_process_is_not_pinned():
     """conftest.py loads torch before any project module, so in-process tests run on the machine's own numerics."""
-    assert numerics.LOADED_BEFORE and any("loaded before numerics.py" in p for p in numerics.problems())
+    assert numerics.LOADED_BEFORE and any("loaded before infra/numerics.py" in p for p in numerics.problems())
     assert numerics.pin() == [] and numerics.describe()["pinned"] is False

@@ -8,7 +8,7 @@ import time
 import pandas as pd
 import pytest
 
-import data
+from worlds import data
 import eval as qa_eval
 import protocol
 
@@ -131,7 +131,7 @@ def test_loading_is_fast_and_leaves_no_cache(tmp_path):
 
 
 def test_conversion_removes_degenerate_gold_answers_and_counts_dropped_rows(tmp_path, capsys):
-    """DEVIATION D10: data.py keeps what load_qa accepts; the row check counts the dropped rows."""
+    """DEVIATION D10: worlds/data.py keeps what load_qa accepts; the row check counts the dropped rows."""
     rows = [_row(gold=["Ossel", "The"], rid="a"), _row(gold=["A"], rid="b"), _row(rid="c")]
     dest = str(tmp_path / "test" / "nq.jsonl")
     assert data._write_qa(rows, dest, "src.jsonl") == 2
@@ -160,7 +160,7 @@ def test_a_duplicate_id_is_refused_naming_both_lines(tmp_path):
 
 
 def test_the_built_in_worlds_and_searchr1_conversion_have_unique_ids(tiny_world, tmp_path):
-    """Every QA file of the tiny world loads (ids unique); data.py gives Search-R1's rows `{data_source}_{id}`, so NQ's
+    """Every QA file of the tiny world loads (ids unique); worlds/data.py gives Search-R1's rows `{data_source}_{id}`, so NQ's
     and HotpotQA's colliding FlashRAG numbering (train_0, ...) stays apart, and val.jsonl merges sources safely."""
     import glob
     files = sorted(glob.glob(os.path.join(tiny_world, "*.jsonl")))

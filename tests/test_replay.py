@@ -1,4 +1,4 @@
-"""replay.py (`python rollout.py replay`): a logged training episode and its twins come back token for token from
+"""lab/replay.py (`python rollout.py replay`): a logged training episode and its twins come back token for token from
 the checkpoint that rolled them out; a step without its checkpoint is refused naming those that exist; episodes.jsonl
 is cut back on resume like metrics.jsonl."""
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import replay
+from lab import replay
 import train_twice as tt
 from test_train import ROOT, tiny_cfg
 

@@ -1,4 +1,4 @@
-"""The paper-scale pipeline on CPU stand-ins (DESIGN.md section 10): `data.py searchr1` against a local fake of each hub
+"""The paper-scale pipeline on CPU stand-ins (DESIGN.md section 10): `worlds/data.py searchr1` against a local fake of each hub
 source (same schemas: Search-R1's merged train.parquet, FlashRAG jsonl, wiki-18 jsonl.gz, a FAISS flat index split in
 parts), the hub code itself against a local HTTP hub, the presets and accelerate configs, `make reproduce-3b
 DRY_RUN=1`, the report table, and one training step through the real-model path (Qwen2.5's BPE vocabulary, ChatML
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-import data
+from worlds import data
 import eval as qa_eval
 import protocol
-import report
+from lab import report
 import retriever
 import train_twice as tt
-from server import start_server
+from retrieval.server import start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT = "5ea4c4f2d81f4d2b1e5bd6b1f0c3a9e7d2c4b6a8"
@@ -139,7 +139,7 @@ def _lines(path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# data.py searchr1
+# worlds/data.py searchr1
 
 def test_searchr1_resumes_an_interrupted_download_and_converts_everything(hub, tmp_path, monkeypatch):
     root, blob = hub
@@ -355,13 +355,13 @@ def test_make_reproduce_dry_run_prints_every_step_and_runs_nothing(tmp_path, siz
     assert proc.returncode == 0, proc.stderr
     text, run = proc.stdout, f"{runs}/qwen2.5-{size}"
     launch = f"accelerate launch --config_file configs/{accel} train_twice.py configs/qwen2.5-{size}.cfg"
-    steps = [f"data.py searchr1 --out {sr1}", f"hf download Qwen/Qwen2.5-{size.upper()}",
-             f"server.py serve --index {sr1}/index",
+    steps = [f"worlds/data.py searchr1 --out {sr1}", f"hf download Qwen/Qwen2.5-{size.upper()}",
+             f"retrieval/server.py serve --index {sr1}/index",
              f"{launch} --out_dir={run}-grpo --retriever_url=http://127.0.0.1:8000/retrieve --omega=0",
              f"{launch} --out_dir={run}-twice --retriever_url=http://127.0.0.1:8000/retrieve",
              f"eval.py --model $policy --data {sr1}/test/$t.jsonl --retriever_url http://127.0.0.1:8000/retrieve",
              f"--out {run}-twice/eval/$t.json",
-             f"report.py paper --paper {size} --out {run}-report.md GRPO={run}-grpo/eval TWICE={run}-twice/eval",
+             f"lab/report.py paper --paper {size} --out {run}-report.md GRPO={run}-grpo/eval TWICE={run}-twice/eval",
              f"kill $(cat {runs}/retriever.pid)"]
     at = [text.find(s) for s in steps]
     assert -1 not in at and at == sorted(at), dict(zip(steps, at))
@@ -429,7 +429,7 @@ def qwen_tiny(tmp_path_factory):
 
 
 def test_one_training_step_with_qwen_bpe_and_the_3b_preset(hub, qwen_tiny, tmp_path, one_thread):
-    """data.py searchr1 with the `build` fallback (MiniLM stands in for E5) -> retriever HTTP server -> one step of the
+    """worlds/data.py searchr1 with the `build` fallback (MiniLM stands in for E5) -> retriever HTTP server -> one step of the
     3B preset (sizes shrunk, bf16 off on CPU) with a tiny Qwen2 model and the real Qwen2.5 BPE vocabulary."""
     qwen_dir, tok = qwen_tiny
     assert tok("Hello world").input_ids == [9707, 1879] and len(tok) == 151646  # Qwen2.5's ids

@@ -378,7 +378,7 @@ def test_a_row_drawn_twice_in_a_step_gets_distinct_keys(word_tok):
 def test_collate_and_batch_logprobs_refuse_a_row_past_max_context(word_tok, word_model):
     """Every pass over a training batch is bounded by max_context: a row past it (a prompt that was never checked)
     is refused by collate and by batch_logprobs before any forward, not allocated."""
-    import logprobs
+    from generation import logprobs
     (q,) = questions(1)
     long_q = dict(q, question=q["question"] + " capital" * 300)
     ep, long_ep = rollout.start_episodes(word_tok, [q, long_q], 0, 0)

@@ -1,4 +1,4 @@
-"""Tests for server.py (the Search-R1 compatible HTTP server and its load bench) over test_retriever.py's 50-row
+"""Tests for retrieval/server.py (the Search-R1 compatible HTTP server and its load bench) over test_retriever.py's 50-row
 MiniLM index (CPU, offline), and for RemoteRetriever against it."""
 import ast
 import asyncio
@@ -22,7 +22,7 @@ import pytest
 import requests
 
 import retriever as R
-import server as S
+from retrieval import server as S
 from test_retriever import KINDS, NAME0, ROOT, bits, dense, fresh, one_thread, world  # noqa: F401
 
 
@@ -46,12 +46,12 @@ def wait_for_health(child, port: int, why):
 
 
 def test_retriever_knows_nothing_of_serving():
-    """server.py imports retriever.py, never the reverse: the library loads no web framework."""
+    """retrieval/server.py imports retriever.py, never the reverse: the library loads no web framework."""
     tree = ast.parse(open(os.path.join(ROOT, "retriever.py"), encoding="utf-8").read())
     imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not imported & {"server", "uvicorn", "starlette", "h11"}, imported
-    assert "retriever" in {node.module for node in ast.walk(ast.parse(open(os.path.join(ROOT, "server.py")).read()))
+    assert "retriever" in {node.module for node in ast.walk(ast.parse(open(os.path.join(ROOT, "retrieval/server.py")).read()))
                            if isinstance(node, ast.ImportFrom)}
 
 
@@ -195,7 +195,7 @@ def test_search_r1_launch_line(world, fresh, tmp_path):
     args = S.parse_args(line + ["--host", "0.0.0.0"])
     assert (args.command, args.host, args.topk, args.faiss_gpu) == ("serve", "0.0.0.0", 2, True)
     assert args.index == index_file and args.corpus == world.corpus
-    child = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), *line, "--port", str(port),
+    child = subprocess.Popen([sys.executable, "-m", "retrieval.server", *line, "--port", str(port),
                               "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         wait_for_health(child, port, "the server exited")
@@ -212,7 +212,7 @@ def test_search_r1_launch_line(world, fresh, tmp_path):
 
 
 def test_a_bm25_folder_is_served_like_a_dense_one(world, tmp_path, capsys):
-    """`server.py` over a BM25 folder (bm25.py), launched with Search-R1's BM25 flags: its answers equal in-process
+    """`retrieval/server.py` over a BM25 folder (retrieval/bm25.py), launched with Search-R1's BM25 flags: its answers equal in-process
     search bit for bit, over HTTP and through RemoteRetriever; a folder without meta.json (a pyserini Lucene index)
     is refused naming the command that builds ours."""
     index, port = str(tmp_path / "bm25"), free_port()
@@ -220,7 +220,7 @@ def test_a_bm25_folder_is_served_like_a_dense_one(world, tmp_path, capsys):
     retriever = R.DenseRetriever(index, cache_size=0)
     queries = [NAME0, "a king", "", "river " * 300, "Zorvak's unknown words"]
     line = ["--index_path", index, "--retriever_name", "bm25", "--topk", "4", "--port", str(port)]
-    child = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), *line],
+    child = subprocess.Popen([sys.executable, "-m", "retrieval.server", *line],
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         wait_for_health(child, port, "the server exited")
@@ -266,7 +266,7 @@ def test_serve_freezes_the_loaded_heap(monkeypatch):
 
 
 def test_bench_server_measures_a_child_server(world):
-    """`server.py bench`, scaled down: it starts a server, loads it, and checks every answer against
+    """`retrieval/server.py bench`, scaled down: it starts a server, loads it, and checks every answer against
     in-process search; the server's CPU time is read from its process."""
     figures = S.bench_server(world.index_dir, clients=3, per_client=2, size=2, big=40)
     load = figures["load"]
@@ -450,7 +450,7 @@ def test_bad_server_flags_exit_2_naming_the_flag_before_loading(tmp_path, capsys
     """`serve --workers -1` used to start no encoder thread: /health answered, every retrieve waited for ever."""
     missing = str(tmp_path / "no index here")  # loading it would fail with another error and status 1
     start = time.perf_counter()
-    child = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "serve", "--index", missing,
+    child = subprocess.run([sys.executable, "-m", "retrieval.server", "serve", "--index", missing,
                             "--workers", "-1"], capture_output=True, text=True, timeout=120)
     assert child.returncode == 2 and "--workers must be an integer >= 1, got -1" in child.stderr, child.stderr
     assert time.perf_counter() - start < 60
@@ -572,8 +572,8 @@ def test_descriptor_exhaustion_is_logged_once_per_interval(world, tmp_path):
     interval is logged, and once the clients close, /health answers again."""
     port, log = free_port(), tmp_path / "server.log"
     launcher = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160)); "
-                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-    command = [sys.executable, "-c", launcher, os.path.join(ROOT, "server.py"), "serve", "--index", world.index_dir,
+                "sys.argv = sys.argv[1:]; runpy.run_module('retrieval.server', run_name='__main__', alter_sys=True)")
+    command = [sys.executable, "-c", launcher, "retrieval/server.py", "serve", "--index", world.index_dir,
                "--port", str(port), "--device", "cpu"]
     with open(log, "w") as err:
         child = subprocess.Popen(command, stderr=err, stdout=err, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -1,15 +1,15 @@
 """The fast paths equal the plain ones (DESIGN.md section 11). Chunked log-probs equal the full (B, L, V)
 computation and stay within a memory bound; the cached engine (KV reuse across turns and into twins, shared prefills,
-continuous batching) samples exactly the episodes of the plain generate path; bench.py gpu runs at a tiny size."""
+continuous batching) samples exactly the episodes of the plain generate path; perf/bench.py gpu runs at a tiny size."""
 import numpy as np
 import pytest
 import torch
 from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_model, word_tok  # noqa: F401
 
-import bench
-import engine
+from perf import bench
+from generation import engine
 import eval as qa_eval
-import logprobs
+from generation import logprobs
 import rollout
 import sampler
 import train_twice as tt

@@ -1,4 +1,4 @@
-"""Tests for stops.py: the automaton the device looks up marks the token where the decoded turn first holds a stop
+"""Tests for generation/stops.py: the automaton the device looks up marks the token where the decoded turn first holds a stop
 string, however the tokenizer splits the tags (byte-level BPE across tokens, word-level as single tokens, Qwen2.5's
 BPE), and its tables on a hand-worked example."""
 import random
@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 from test_rollout import PIECES, byte_tok, encode, one_thread, word_tok  # noqa: F401
 
-import bench_engine
-import stops
+from perf import bench_engine
+from generation import stops
 from protocol import STOP_STRINGS
 
 

@@ -13,7 +13,7 @@ import torch
 
 import credit
 import rollout
-import report
+from lab import report
 import train_twice as tt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,14 +125,14 @@ def test_nonfinite_loss_fails_loudly():
 
 
 def test_a_run_on_a_bm25_index_gets_its_hits(tmp_path, monkeypatch):
-    """train_twice --index DIR with a BM25 folder (bm25.py): every search of the logged episodes (all of them)
+    """train_twice --index DIR with a BM25 folder (retrieval/bm25.py): every search of the logged episodes (all of them)
     retrieved exactly what that folder returns for its query, which the world's dense index does not. The session's
     test-scale world has a policy of 12 BC steps that never writes a <search>; the same world with 150 (4 s more)
     searches in about one turn in five."""
     import protocol
     import retriever
-    import world
-    import world_tiny
+    from worlds import build as world
+    from worlds import tiny as world_tiny
     monkeypatch.setitem(world_tiny.SCALES, "test", dict(world_tiny.SCALES["test"], bc_steps=150))
     tiny, index, out = str(tmp_path / "world"), str(tmp_path / "bm25"), str(tmp_path / "run")
     world.build_world(tiny, seed=0, scale="test")

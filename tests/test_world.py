@@ -1,4 +1,4 @@
-"""Tests for world.py and world_tiny.py: one test-scale tiny world is built once (CLI path) and checked file by file."""
+"""Tests for worlds/build.py and worlds/tiny.py: one test-scale tiny world is built once (CLI path) and checked file by file."""
 import json
 import os
 import re
@@ -6,12 +6,12 @@ import re
 import pytest
 import torch
 
-import world
-import world_base
-import world_tiny
+from worlds import build as world
+from worlds import base as world_base
+from worlds import tiny as world_tiny
 from eval import load_qa
 from protocol import INVALID_ACTION_MSG, information_block, render_prompt, reward
-from world import bc_loss, common_prefix, pad_batch
+from worlds.build import bc_loss, common_prefix, pad_batch
 
 SEED = 3
 

@@ -1,4 +1,4 @@
-"""Tests for world_chains.py (world.py --preset chains): one test-scale chains world is built once through the
+"""Tests for worlds/chains.py (worlds/build.py --preset chains): one test-scale chains world is built once through the
 CLI and checked for determinism, solvability by the perfect script, and chains reachable by searching entity names."""
 import json
 import os
@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-import world
-import world_base
-import world_chains
+from worlds import build as world
+from worlds import base as world_base
+from worlds import chains as world_chains
 from eval import read_jsonl
 from protocol import reward
 
@@ -151,7 +151,7 @@ def test_rebuild_is_bit_for_bit_identical(world_dir, tmp_path):
 
 
 def test_stop_calibration_covers_every_decision_position(world_dir, built, capsys):
-    """`world.py --calibration`: one row per (hops, decision kind, position) of the scripted perfect episodes,
+    """`worlds/build.py --calibration`: one row per (hops, decision kind, position) of the scripted perfect episodes,
     counting every question once, with probabilities in [0, 1] and the script's own probability beside them."""
     world.main(["--calibration", world_dir, "--seed", str(SEED)])
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Tests for world_lock.py (content digests, worlds.lock) and for the committed worlds: both presets rebuilt at test
+"""Tests for worlds/lock.py (content digests, worlds.lock) and for the committed worlds: both presets rebuilt at test
 scale on pinned numerics, in fresh processes, give exactly the committed digests."""
 import hashlib
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import world_lock
+from worlds import lock as world_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,11 +88,11 @@ def test_the_shipped_worlds_are_the_locked_ones():
 
 
 def test_committed_worlds_rebuild_to_their_digests(tmp_path):
-    """Both presets at test scale, each built by `world.py` in a fresh process (pinned before torch loads), in an
+    """Both presets at test scale, each built by `worlds/build.py` in a fresh process (pinned before torch loads), in an
     environment that asks for other kernels and threads: the pins override it, and every file matches worlds.lock."""
     env = {k: v for k, v in os.environ.items() if k != "ALLOW_UNPINNED"}  # a difference must fail the build
     env.update(OMP_NUM_THREADS="2", MKL_CBWR="AVX512", ATEN_CPU_CAPABILITY="avx512", ONEDNN_MAX_CPU_ISA="ALL")
-    procs = {p: subprocess.Popen([sys.executable, "world.py", "--out", str(tmp_path / p), "--preset", p, "--scale",
+    procs = {p: subprocess.Popen([sys.executable, "-m", "worlds.build", "--out", str(tmp_path / p), "--preset", p, "--scale",
                                   "test"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for p in ("tiny", "chains")}
     for preset, proc in procs.items():

@@ -1,0 +1,3 @@
+"""Instruments of speed and memory: the memory ledger (ledger.py, memprobe.py, memtrack.py), the speed benches
+(bench.py, bench_engine.py) and the first-GPU check (gpucheck.py). Nothing in the method imports them.
+"""
