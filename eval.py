@@ -274,7 +274,7 @@ def load_retriever(index: str = "", url: str = ""):
         return retriever.RemoteRetriever(url)
     if not index:
         raise ValueError("give --index DIR or --retriever_url URL")
-    return retriever.DenseRetriever(index)
+    return retriever.Retriever(index)
 
 
 @dataclass

@@ -1,27 +1,31 @@
-"""Same luck: keyed Gumbel-max sampling (DESIGN.md section 4), the noise every draw of TWICE is made of.
+"""Same luck: keyed Gumbel-max sampling (DESIGN.md section 4), the noise every draw of TWICE is made
+of.
 
 Token v at position `pos` of turn `t` of an episode is drawn as
     y = argmax_v  l_v / T + g_v,   g_v = -log(-log u_v),   u_v = U(turn_key(episode_key, t), pos, v)
-with U a counter-based hash (the splitmix64 stream seeded by mix(turn_key, pos), element v+1), so every row is a
-pure function of its key: any episode regenerates alone, in any batch, with any left padding, on any device. It is
-an exact sample from softmax(l / T), top-k / top-p masks applied before the noise; T = 0 is greedy.
+with U a counter-based hash (the splitmix64 stream seeded by mix(turn_key, pos), element v+1), so
+every row is a pure function of its key: any episode regenerates alone, in any batch, with any left
+padding, on any device. It is an exact sample from softmax(l / T), top-k / top-p masks applied
+before the noise; T = 0 is greedy.
 episode_key = mix(run_seed, step, prompt uid, line), line = the sample's index inside its GRPO group.
 
-Twins (DESIGN.md section 5) replace one turn's key by alt_key(episode_key, t, j) and replay the factual keys after
-it, same luck, different choice: D_t = U - U', E[D_t | s_t, y_t] = Q(s_t, y_t) - V(s_t). Every other keyed draw
-(uncoupled twins, Monte Carlo continuations, the baselines' branches, the budget rule's branch draws, shuffles) is
+Twins (DESIGN.md section 5) replace one turn's key by alt_key(episode_key, t, j) and replay the
+factual keys after it, same luck, different choice: D_t = U - U', E[D_t | s_t, y_t] = Q(s_t, y_t) -
+V(s_t). Every other keyed draw (uncoupled twins, Monte Carlo continuations, the baselines' branches,
+the budget rule's branch draws, shuffles) is
 mix(key, TAG, ...) with a tag of the one table below, so no two kinds of draw share noise.
 
-`keyed_gumbel_argmax` is the definition, written as its formula. `keyed_draw` is the fast exact draw the engine uses
-(and `KeyedGumbelProcessor`, a transformers LogitsProcessor, inside model.generate): the exponential race, the same
-tokens (tested), one log per element instead of two, optionally one torch.compile kernel; top-p without a
-full-vocabulary sort.
+`keyed_gumbel_argmax` is the definition, written as its formula. `keyed_draw` is the fast exact draw
+the engine uses (and `KeyedGumbelProcessor`, a transformers LogitsProcessor, inside model.generate):
+the exponential race, the same tokens (tested), one log per element instead of two, optionally one
+torch.compile kernel; top-p without a full-vocabulary sort.
 
 It knows no model, tokenizer, protocol or episode: integer keys in, uniforms and token ids out.
 
-Deviation (README "Deviations"; `# DEVIATION P7:` where it acts):
-  P7. Top-p keeps every token tied with the least likely kept one, its mass summed from candidates or a bisection
-      rather than a sorted float32 cumulative sum: the float64 definition's set (tested), not vLLM's sort order.
+Deviation (DESIGN.md section 13; `# DEVIATION P7:` where it acts):
+  P7. Top-p keeps every token tied with the least likely kept one, its mass summed from candidates
+      or a bisection rather than a sorted float32 cumulative sum: the float64 definition's set
+      (tested), not vLLM's sort order.
 """
 import hashlib
 import math
@@ -29,31 +33,48 @@ import math
 import torch
 from transformers import LogitsProcessor
 
-# --- keys (DESIGN.md section 4): integer mixing only, never Python's hash(), which is salted per process ---
+# --- keys (DESIGN.md section 4): integer mixing only, never Python's hash(), which is salted per
+# process ---
 M64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment, 2^64 / golden ratio
-FMIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None))  # splitmix64 finaliser (Steele et al. 2014)
-U_BITS = 23  # u = (k + 1/2) / 2^23: exactly representable in float32, never 0 or 1, so g is finite (|g| < 17)
+# splitmix64 finaliser (Steele et al. 2014)
+FMIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None))
+# u = (k + 1/2) / 2^23: exactly representable in float32, never 0 or 1, so g is finite (|g| < 17)
+U_BITS = 23
 
-# --- key tags: a derived key is mix(key, TAG, ...), TAG the ASCII of a short word; all distinct (tested) ---
-TURN_TAG = 0x7475726E         # "turn": turn t's sampling noise, turn_key(key, t): every sampled token (rollout, engine)
-ALT_TAG = 0x616C74            # "alt": a twin's alternative decision, alt_key(key, t, j) (rollout.run_twins, audit)
-UNCOUPLED_TAG = 0x756E63      # "unc": an uncoupled twin's fresh later turns (rollout.run_twins coupling=False, audit)
-INDEPENDENT_TAG = 0x696E64    # "ind": method=independent's alternative and everything after it (rollout.run_twins)
-MC_Q_TAG = 0x6D6371           # "mcq": Monte Carlo rollouts after y_t, Q(s_t, y_t) (audit oracle, AgentPRM, tinyworld)
-MC_V_TAG = 0x6D6376           # "mcv": Monte Carlo rollouts from s_t, V(s_t) (audit oracle, tinyworld)
-BRANCH_TAG = 0x6272616E       # "bran": branch_uniform, the budget rule's branch draws (train_twice, audit, ARPO, Tree)
-VINE_TAG = 0x76696E65         # "vine": VinePPO's rollouts from each turn boundary (baselines, audit)
-ARPO_TAG = 0x6172706F         # "arpo": ARPO's entropy-triggered branch draws and branches (baselines)
+# --- key tags: a derived key is mix(key, TAG, ...), TAG the ASCII of a short word; all distinct
+# (tested) ---
+# "turn": turn t's sampling noise, turn_key(key, t): every sampled token (rollout, engine)
+TURN_TAG = 0x7475726E
+# "alt": a twin's alternative decision, alt_key(key, t, j) (rollout.run_twins, audit)
+ALT_TAG = 0x616C74
+# "unc": an uncoupled twin's fresh later turns (rollout.run_twins coupling=False, audit)
+UNCOUPLED_TAG = 0x756E63
+# "ind": method=independent's alternative and everything after it (rollout.run_twins)
+INDEPENDENT_TAG = 0x696E64
+# "mcq": Monte Carlo rollouts after y_t, Q(s_t, y_t) (audit oracle, AgentPRM, tinyworld)
+MC_Q_TAG = 0x6D6371
+# "mcv": Monte Carlo rollouts from s_t, V(s_t) (audit oracle, tinyworld)
+MC_V_TAG = 0x6D6376
+# "bran": branch_uniform, the budget rule's branch draws (train_twice, audit, ARPO, Tree)
+BRANCH_TAG = 0x6272616E
+# "vine": VinePPO's rollouts from each turn boundary (baselines, audit)
+VINE_TAG = 0x76696E65
+# "arpo": ARPO's entropy-triggered branch draws and branches (baselines)
+ARPO_TAG = 0x6172706F
 TREE_TAG = 0x74726565         # "tree": Tree-GRPO's expansion draws and branches (baselines)
-ESTIMATOR_TAG = 0x657374      # "est": mini-batch order of a learned estimator's passes, not the actor's (methods/learned.py)
+# "est": mini-batch order of a learned estimator's passes, not the actor's (methods/learned.py)
+ESTIMATOR_TAG = 0x657374
 ORDER_TAG = 0x6F7264          # "ord": the audit's question order (audit)
 REROLL_TAG = 0x72726F6C       # "rrol": the audit's re-rolled factual episodes F_r (audit)
 GROUP_TAG = 0x67727030        # "grp0": the run seed of the audit's fresh GRPO lines (audit)
 METHOD_TAG = 0x6D657468       # "meth": F_r's own key for what a method samples from it (audit)
-FORK_TAG = 0x666F726B         # "fork": a token fork's draw of k ~ r_t (forks.py) and its re-rolled factual (audit)
-LINE_TAG = 0x6C696E65         # "line": the text-line reading of keys, line_key(turn key, line) for lines >= 1
-SCRIPT_TAG = 0x73637270       # "scrp": the memory ledger's scripted agent: its turns' lengths and actions (perf/ledger.py)
+# "fork": a token fork's draw of k ~ r_t (forks.py) and its re-rolled factual (audit)
+FORK_TAG = 0x666F726B
+# "line": the text-line reading of keys, line_key(turn key, line) for lines >= 1
+LINE_TAG = 0x6C696E65
+# "scrp": the memory ledger's scripted agent: its turns' lengths and actions (perf/ledger.py)
+SCRIPT_TAG = 0x73637270
 
 
 def _fmix64(x: int) -> int:
@@ -65,7 +86,8 @@ def _fmix64(x: int) -> int:
 
 
 def mix(*ints: int) -> int:
-    """Unsigned 64-bit mix of integers (splitmix64 finaliser after each): order-sensitive, stable across runs."""
+    """Unsigned 64-bit mix of integers (splitmix64 finaliser after each): order-sensitive, stable
+    across runs."""
     h = 0
     for a in ints:
         h = _fmix64(((h ^ (a & M64)) + GOLDEN) & M64)
@@ -78,7 +100,8 @@ def stable_id(s: str) -> int:
 
 
 def episode_key(run_seed: int, step: int, uid: int, line: int) -> int:
-    return mix(run_seed, step, uid, line)  # line = index inside the GRPO group: lines get independent noise
+    # line = index inside the GRPO group: lines get independent noise
+    return mix(run_seed, step, uid, line)
 
 
 def turn_key(ep_key: int, turn: int) -> int:
@@ -86,24 +109,27 @@ def turn_key(ep_key: int, turn: int) -> int:
 
 
 def alt_key(ep_key: int, turn: int, j: int) -> int:
-    """Key of the j-th alternative decision at `turn`: independent of the factual turn's keys (DESIGN.md 5)."""
+    """Key of the j-th alternative decision at `turn`: independent of the factual turn's keys
+    (DESIGN.md 5)."""
     return mix(ep_key, ALT_TAG, turn, j)
 
 
 def line_key(turn_key_: int, line: int) -> int:
-    """Key of text line `line` of a turn under the text-line reading (DESIGN.md section 5, `line_keys = "text"`):
-    line 0 is the turn key itself, so a turn without a newline draws as under the group reading."""
+    """Key of text line `line` of a turn under the text-line reading (DESIGN.md section 5,
+    `line_keys = "text"`): line 0 is the turn key itself, so a turn without a newline draws as under
+    the group reading."""
     return turn_key_ if line == 0 else mix(turn_key_, LINE_TAG, line)
 
 
 def fresh_key(ep_key: int, tag: int, *idx: int) -> int:
-    """Seed of uncoupled noise (independent twins, Monte Carlo rollouts): turns then use turn_key(seed, turn)."""
+    """Seed of uncoupled noise (independent twins, Monte Carlo rollouts): turns then use
+    turn_key(seed, turn)."""
     return mix(ep_key, tag, *idx)
 
 
 def branch_uniform(*key: int) -> float:
-    """Keyed uniform in [0, 1) of a budget-rule branch draw (decision t branches iff u < q_t), e.g. key =
-    (run seed, step, uid, line, turn): reproducible, and independent of every sampling key."""
+    """Keyed uniform in [0, 1) of a budget-rule branch draw (decision t branches iff u < q_t), e.g.
+    key = (run seed, step, uid, line, turn): reproducible, and independent of every sampling key."""
     return mix(*key, BRANCH_TAG) / 2.0 ** 64
 
 
@@ -113,13 +139,16 @@ def _signed(u: int) -> int:
     return u - (1 << 64) if u >> 63 else u
 
 
-# --- keyed uniforms: int64 arithmetic wraps, so it is uint64 arithmetic bit for bit; shifts are made logical ---
-_FMIX_T = tuple((shift, (1 << (64 - shift)) - 1, _signed(mult) if mult else None) for shift, mult in FMIX)
+# --- keyed uniforms: int64 arithmetic wraps, so it is uint64 arithmetic bit for bit; shifts are
+# made logical ---
+_FMIX_T = tuple((shift, (1 << (64 - shift)) - 1, _signed(mult) if mult else None)
+                for shift, mult in FMIX)
 _WEYL = {}  # (vocab, device) -> (V,) int64 (v + 1) * GOLDEN
 
 
 def _fmix64_(x, tmp, rounds=3):
-    """splitmix64 finaliser in place on an int64 tensor (tmp: scratch of the same shape, or None)."""
+    """splitmix64 finaliser in place on an int64 tensor (tmp: scratch of the same shape, or None).
+    """
     for shift, low, mult in _FMIX_T[:rounds]:
         tmp = torch.bitwise_right_shift(x, shift, out=tmp)
         x.bitwise_xor_(tmp.bitwise_and_(low))  # clear the sign-extended bits: logical shift
@@ -135,7 +164,8 @@ def _row_seeds(keys, pos):
 
 
 def line_keys(turn_keys, lines):
-    """line_key over (B,) int64 tensors of turn keys and line numbers (no host sync: the decode step calls it)."""
+    """line_key over (B,) int64 tensors of turn keys and line numbers (no host sync: the decode step
+    calls it)."""
     h = _fmix64_(turn_keys + _signed(GOLDEN), None)
     h = _fmix64_((h ^ _signed(LINE_TAG)) + _signed(GOLDEN), None)
     return torch.where(lines == 0, turn_keys, _fmix64_((h ^ lines) + _signed(GOLDEN), None))
@@ -144,27 +174,33 @@ def line_keys(turn_keys, lines):
 def _weyl(vocab: int, device) -> torch.Tensor:
     key = (vocab, str(device))
     if key not in _WEYL:
-        _WEYL[key] = torch.arange(1, vocab + 1, dtype=torch.int64, device=device).mul_(_signed(GOLDEN))
+        _WEYL[key] = torch.arange(1, vocab + 1, dtype=torch.int64, device=device).mul_(
+            _signed(GOLDEN))
     return _WEYL[key]
 
 
 def _stream_top_bits(seeds, weyl, x=None, tmp=None):
-    """(B, V) signed top U_BITS bits of splitmix64 output v+1 of each row's stream, in [-2^22, 2^22).
+    """(B, V) signed top U_BITS bits of splitmix64 output v+1 of each row's stream, in [-2^22,
+    2^22).
 
-    The finaliser's last xorshift (>> 31) leaves the top 31 bits unchanged, so two rounds give the same top bits.
+    The finaliser's last xorshift (>> 31) leaves the top 31 bits unchanged, so two rounds give the
+    same top bits.
     """
     x = _fmix64_(torch.add(seeds[:, None], weyl, out=x), tmp, rounds=2)
-    return torch.bitwise_right_shift(x, 64 - U_BITS, out=tmp)  # arithmetic shift: the top bits, as a signed int
+    # arithmetic shift: the top bits, as a signed int
+    return torch.bitwise_right_shift(x, 64 - U_BITS, out=tmp)
 
 
 def _log_uniform_(k, out=None):
-    """log u with u = (k + 2^22 + 1/2) / 2^23 (k from _stream_top_bits): every step exact in float32 but the log."""
+    """log u with u = (k + 2^22 + 1/2) / 2^23 (k from _stream_top_bits): every step exact in float32
+    but the log."""
     u = torch.mul(k, 2.0 ** -U_BITS, out=out) if out is None else out.copy_(k).mul_(2.0 ** -U_BITS)
     return u.add_(0.5 + 2.0 ** -(U_BITS + 1)).log_()
 
 
 def keyed_uniform(row_keys, pos, vocab: int, device=None) -> torch.Tensor:
-    """(B, V) float32 uniforms in (0, 1), a pure function of (row key, pos, v): U of DESIGN.md section 4.
+    """(B, V) float32 uniforms in (0, 1), a pure function of (row key, pos, v): U of DESIGN.md
+    section 4.
 
     row_keys: B keys (python ints, uint64 values) or an int64 tensor; pos: int or (B,) tensor.
     """
@@ -180,20 +216,24 @@ def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
 
 # --- the definition of a keyed draw, and the fast exact draw (the same tokens) ---
 def keyed_gumbel_argmax(logits, row_keys, pos, temperature: float = 1.0) -> torch.Tensor:
-    """The definition of a keyed draw (DESIGN.md section 4), written as its formula: the reference of the fast
-    exponential race below (identical tokens, tested)."""
-    return (logits / temperature + gumbel_noise(keyed_uniform(row_keys, pos, logits.shape[-1]))).argmax(-1)
+    """The definition of a keyed draw (DESIGN.md section 4), written as its formula: the reference
+    of the fast exponential race below (identical tokens, tested)."""
+    return (logits / temperature +
+            gumbel_noise(keyed_uniform(row_keys, pos, logits.shape[-1]))).argmax(-1)
 
 
 def _keyed_race(l, seeds, weyl, e=None, x=None, tmp=None, f=None):
-    """Keyed Gumbel-max on scaled, masked logits l (B, V), modified in place -> (token, log-prob, entropy), (B,).
+    """Keyed Gumbel-max on scaled, masked logits l (B, V), modified in place -> (token, log-prob,
+    entropy), (B,).
 
-    argmax_v l_v + g_v = argmax_v exp(l_v - m) / E_v with E_v = -log u_v ~ Exp(1) (the exponential race): the
-    same draw, one log per element instead of two, and exp(l - m) is needed for the entropy anyway. Optional
-    e/x/tmp/f are (B, V) scratch buffers (eager CPU: reusing them avoids page faults); torch.compile passes none.
+    argmax_v l_v + g_v = argmax_v exp(l_v - m) / E_v with E_v = -log u_v ~ Exp(1) (the exponential
+    race): the same draw, one log per element instead of two, and exp(l - m) is needed for the
+    entropy anyway. Optional e/x/tmp/f are (B, V) scratch buffers (eager CPU: reusing them avoids
+    page faults); torch.compile passes none.
     """
     m = l.amax(-1, keepdim=True)  # (B, 1)
-    l.sub_(m).clamp_(min=torch.finfo(l.dtype).min)  # finite -inf masks keep 0 * log 0 = 0 in the entropy
+    # finite -inf masks keep 0 * log 0 = 0 in the entropy
+    l.sub_(m).clamp_(min=torch.finfo(l.dtype).min)
     e = torch.exp(l, out=e)  # (B, V) unnormalised probabilities, max 1
     z = e.sum(-1)  # (B,)
     log_z = z.log()
@@ -204,21 +244,26 @@ def _keyed_race(l, seeds, weyl, e=None, x=None, tmp=None, f=None):
     return token, logprob, entropy
 
 
-_COMPILED = {}  # "race" -> torch.compile(_keyed_race): one fused kernel over (B, V), compiled on first use
+# "race" -> torch.compile(_keyed_race): one fused kernel over (B, V), compiled on first use
+_COMPILED = {}
 
 
-TOP_P_CANDIDATES = 256  # top-p on the CPU: the nucleus is read off this many most likely tokens when they hold it
+# top-p on the CPU: the nucleus is read off this many most likely tokens when they hold it
+TOP_P_CANDIDATES = 256
 
 
 def _mask_top_k_top_p(l, top_k: int, top_p: float):
-    """Mask to -inf outside top-k, then outside the nucleus, in place (transformers' TopK/TopPLogitsWarper order).
+    """Mask to -inf outside top-k, then outside the nucleus, in place (transformers'
+    TopK/TopPLogitsWarper order).
 
-    The nucleus keeps token v iff the mass of the tokens strictly more likely than v is below top_p (so the most
-    likely token always, and every token tied with the least likely kept one): keep l >= _nucleus_floor(l, top_p).
+    The nucleus keeps token v iff the mass of the tokens strictly more likely than v is below top_p
+    (so the most likely token always, and every token tied with the least likely kept one): keep l
+    >= _nucleus_floor(l, top_p).
     """
     if top_k > 0 and top_k < l.shape[-1]:
         l.masked_fill_(l < torch.topk(l, top_k).values[..., -1:], -math.inf)
-    if top_p < 1.0:  # DEVIATION P7: ties at the boundary all kept; the mass summed without a sort (_nucleus_floor)
+    # DEVIATION P7: ties at the boundary all kept; the mass summed without a sort (_nucleus_floor)
+    if top_p < 1.0:
         l.masked_fill_(l < _nucleus_floor(l, top_p), -math.inf)
     return l
 
@@ -226,10 +271,11 @@ def _mask_top_k_top_p(l, top_k: int, top_p: float):
 def _nucleus_floor(l, top_p: float):
     """(B, 1) the least logit of each row's nucleus, without a full-vocabulary sort.
 
-    CPU: the TOP_P_CANDIDATES most likely tokens give it exactly whenever they hold the nucleus (mass >= top_p before
-    the last one); rows where they do not are redone over the whole sorted vocabulary. CUDA: a bisection over the
-    floats' own order (no sort, no host sync, fixed shapes, so it runs inside a captured decode step). Both give the
-    smallest logit x with mass(l > x) < top_p (float32 sums, in different orders)."""
+    CPU: the TOP_P_CANDIDATES most likely tokens give it exactly whenever they hold the nucleus
+    (mass >= top_p before the last one); rows where they do not are redone over the whole sorted
+    vocabulary. CUDA: a bisection over the floats' own order (no sort, no host sync, fixed shapes,
+    so it runs inside a captured decode step). Both give the smallest logit x with mass(l > x) <
+    top_p (float32 sums, in different orders)."""
     e = torch.exp(l - l.amax(-1, keepdim=True))  # (B, V) unnormalised probabilities
     z = e.sum(-1, keepdim=True)  # (B, 1)
     if l.is_cuda:
@@ -242,8 +288,9 @@ def _nucleus_floor(l, top_p: float):
 
 
 def _candidate_floor(l, z, top_p: float, k: int):
-    """(floor (B, 1), covered (B,)) from the k most likely tokens: kept ranks are those whose strictly-more-likely
-    mass (exclusive cumulative sum) is below top_p; covered: a rank among the k is dropped (or k is the vocabulary)."""
+    """(floor (B, 1), covered (B,)) from the k most likely tokens: kept ranks are those whose
+    strictly-more-likely mass (exclusive cumulative sum) is below top_p; covered: a rank among the k
+    is dropped (or k is the vocabulary)."""
     vals = torch.topk(l, k).values  # (B, k), descending
     p = torch.exp(vals - l.amax(-1, keepdim=True)) / z
     above = torch.cumsum(p, -1) - p  # (B, k) mass before each rank
@@ -252,10 +299,11 @@ def _candidate_floor(l, z, top_p: float, k: int):
 
 
 def _bisect_floor(l, e, target):
-    """(B, 1) the smallest logit x with sum(e[l > x]) < target, by 32 halvings over float32 bit patterns (ordered as
-    integers): the answer is always one of the row's logits."""
+    """(B, 1) the smallest logit x with sum(e[l > x]) < target, by 32 halvings over float32 bit
+    patterns (ordered as integers): the answer is always one of the row's logits."""
     assert l.dtype == torch.float32, "the draw's logits are float32"
-    hi = _ordered(l.amax(-1, keepdim=True))  # (B, 1) int64: the maximum qualifies (nothing above it)
+    # (B, 1) int64: the maximum qualifies (nothing above it)
+    hi = _ordered(l.amax(-1, keepdim=True))
     lo = torch.full_like(hi, -(1 << 31) - 1)  # below every float32
     for _ in range(32):
         mid = (lo + hi) >> 1
@@ -276,26 +324,28 @@ def _float(k):
 
 
 def _ban_(l, ban):
-    """l[b, ban[b]] = -inf where ban[b] >= 0 and another token keeps a finite logit (a ban on the only token with
-    mass is lifted): fixed shapes, no host sync."""
+    """l[b, ban[b]] = -inf where ban[b] >= 0 and another token keeps a finite logit (a ban on the
+    only token with mass is lifted): fixed shapes, no host sync."""
     hit = torch.arange(l.shape[-1], device=l.device)[None, :] == ban[:, None]  # (B, V)
     others = (torch.isfinite(l) & ~hit).any(-1, keepdim=True)  # (B, 1)
     return l.masked_fill_(hit & others, -math.inf)
 
 
-def keyed_draw(l, keys, pos, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, fused: bool = False,
-               scratch=None, ban=None):
-    """(token, log-prob, entropy), each (B,), of keyed Gumbel-max draws on float32 logits l (B, V), modified in place:
-    the processor's draw as a function (the engine's decode step calls it, also inside a captured CUDA graph).
-    keys (B,) int64 turn keys, pos int or (B,) positions in the turn; scratch: _keyed_race's optional buffers.
-    ban (B,) token ids or -1: row b draws from the sampling law (after top-k / top-p) restricted to v != ban[b] (a
-    token fork), and records that restricted law's log-prob and entropy."""
+def keyed_draw(l, keys, pos, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               fused: bool = False, scratch=None, ban=None):
+    """(token, log-prob, entropy), each (B,), of keyed Gumbel-max draws on float32 logits l (B, V),
+    modified in place: the processor's draw as a function (the engine's decode step calls it, also
+    inside a captured CUDA graph). keys (B,) int64 turn keys, pos int or (B,) positions in the turn;
+    scratch: _keyed_race's optional buffers. ban (B,) token ids or -1: row b draws from the sampling
+    law (after top-k / top-p) restricted to v != ban[b] (a token fork), and records that restricted
+    law's log-prob and entropy."""
     if temperature == 0:  # greedy: argmax of the logits, statistics of softmax(logits)
         if ban is not None:
             _ban_(l, ban)
         token = l.argmax(-1)
         log_p = torch.log_softmax(l, -1)
-        return token, log_p.gather(1, token[:, None]).squeeze(1), -(log_p.exp() * log_p.nan_to_num()).sum(-1)
+        return token, log_p.gather(
+            1, token[:, None]).squeeze(1), -(log_p.exp() * log_p.nan_to_num()).sum(-1)
     if temperature != 1:
         l.div_(temperature)
     _mask_top_k_top_p(l, top_k, top_p)
@@ -312,15 +362,17 @@ class KeyedGumbelProcessor(LogitsProcessor):
     """Keyed Gumbel-max sampling inside `model.generate(do_sample=False)` (DESIGN.md section 4).
 
     Row b's token at position pos of the turn (pos = generated length, never the padded length) is
-    argmax_v l_v / T + g_v with masking (top-k, top-p) applied before the noise: an exact sample from softmax of the
-    masked l / T. The processor draws it itself and returns the scores with +inf at that token, so greedy search picks
-    it whatever it would do with ties (and no (B, V) write). T = 0 is greedy (no noise). It records, per row and step,
-    the token's log-prob under the sampling distribution and the entropy of that distribution (at T = 0: those of
+    argmax_v l_v / T + g_v with masking (top-k, top-p) applied before the noise: an exact sample
+    from softmax of the masked l / T. The processor draws it itself and returns the scores with +inf
+    at that token, so greedy search picks it whatever it would do with ties (and no (B, V) write). T
+    = 0 is greedy (no noise). It records, per row and step, the token's log-prob under the sampling
+    distribution and the entropy of that distribution (at T = 0: those of
     softmax(logits)); finished rows (`rows`, set by TurnStopper) are skipped and record nan.
 
-    keyer (optional, set by the engine): keyer(input_ids, n) -> ((B,) keys, (B,) positions, (B,) banned token or -1,
-    or None) of the n-th draw of every row: rows that start inside a turn or draw a fork token (rows.TurnStart),
-    and the text-line reading of keys; without it row b draws with keys[b] at position n.
+    keyer (optional, set by the engine): keyer(input_ids, n) -> ((B,) keys, (B,) positions, (B,)
+    banned token or -1, or None) of the n-th draw of every row: rows that start inside a turn or
+    draw a fork token (rows.TurnStart), and the text-line reading of keys; without it row b draws
+    with keys[b] at position n.
     """
 
     def __init__(self, turn_keys, start_len: int, temperature=1.0, top_k=0, top_p=1.0, fused=False):
@@ -339,27 +391,33 @@ class KeyedGumbelProcessor(LogitsProcessor):
             keys, pos, ban = self.keyer(input_ids, pos)
         pick = lambda x: x if rows is None or not torch.is_tensor(x) else x.index_select(0, rows)  # noqa: E731
         logits = scores if rows is None else scores.index_select(0, rows)  # (b, V)
-        token, logprob, entropy = self._draw(logits, pick(keys), pick(pos), None if ban is None else pick(ban))
+        token, logprob, entropy = self._draw(logits, pick(keys), pick(pos),
+                                             None if ban is None else pick(ban))
         if rows is None:
             rows = torch.arange(scores.shape[0], device=scores.device)
             self.logprobs.append(logprob)
             self.entropy.append(entropy)
         else:
-            self.logprobs.append(torch.full_like(scores[:, 0], math.nan).index_copy_(0, rows, logprob))
-            self.entropy.append(torch.full_like(scores[:, 0], math.nan).index_copy_(0, rows, entropy))
+            self.logprobs.append(
+                torch.full_like(scores[:, 0], math.nan).index_copy_(0, rows, logprob))
+            self.entropy.append(
+                torch.full_like(scores[:, 0], math.nan).index_copy_(0, rows, entropy))
         scores[rows, token] = math.inf
         return scores
 
     def _draw(self, l, keys, pos, ban=None):
         scratch = None if self.fused or self.temperature == 0 else self._scratch(l)
-        return keyed_draw(l, keys, pos, self.temperature, self.top_k, self.top_p, self.fused, scratch, ban)
+        return keyed_draw(l, keys, pos, self.temperature, self.top_k, self.top_p, self.fused,
+                          scratch, ban)
 
     def _scratch(self, l):
-        """(b, V) views of per-call buffers: e, x, tmp, f (allocated once, at the first step's full batch)."""
+        """(b, V) views of per-call buffers: e, x, tmp, f (allocated once, at the first step's full
+        batch)."""
         if self._buffers is None or self._buffers[0].shape[0] < l.shape[0]:
             shape, dev = l.shape, l.device
-            self._buffers = (torch.empty(shape, dtype=l.dtype, device=dev), torch.empty(shape, dtype=torch.int64,
-                             device=dev), torch.empty(shape, dtype=torch.int64, device=dev), torch.empty_like(l))
+            self._buffers = (torch.empty(shape, dtype=l.dtype, device=dev),
+                             torch.empty(shape, dtype=torch.int64, device=dev),
+                             torch.empty(shape, dtype=torch.int64, device=dev), torch.empty_like(l))
         return tuple(buf[: l.shape[0]] for buf in self._buffers)
 
     def records(self):

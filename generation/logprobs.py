@@ -1,23 +1,28 @@
-"""Memory-bounded token log-probs of a causal LM: the policy loss's log pi and entropy without (B, L, V) tensors.
+"""Memory-bounded token log-probs of a causal LM: the policy loss's log pi and entropy without (B,
+L, V) tensors.
 
-Why a file of its own: the trainer's update, the old-policy and reference passes and the benchmarks all need the
-same computation, and it is a concept of its own (how to get log softmax(W h / T) without materialising it).
+Why a file of its own: the trainer's update, the old-policy and reference passes and the benchmarks
+all need the same computation, and it is a concept of its own (how to get log softmax(W h / T)
+without materialising it).
 
     log pi(x_{k+1} | x_<=k) = (W h_k)[x_{k+1}] / T - logsumexp_v (W h_k)_v / T,   H_k = lse_k - sum_v p_v (W h_k)_v / T
 
-The transformer body runs once (its logits kept for one position only: logits_to_keep=1); the LM head then runs on
-at most `chunk_elements / V` selected positions at a time, so the extra float32 memory is a few (chunk, V) blocks
-(~64 MB each by default) instead of (B, L, V) logits, log-softmax, exp and product (~20 GB each at 8 x 4096 x
-151,936). With gradients each chunk is checkpointed: its (chunk, V) block is recomputed in the backward pass rather
-than kept. Only the positions asked for (the loss mask in the update) go through the head.
+The transformer body runs once (its logits kept for one position only: logits_to_keep=1); the LM
+head then runs on at most `chunk_elements / V` selected positions at a time, so the extra float32
+memory is a few (chunk, V) blocks (~64 MB each by default) instead of (B, L, V) logits, log-softmax,
+exp and product (~20 GB each at 8 x 4096 x 151,936). With gradients each chunk is checkpointed: its
+(chunk, V) block is recomputed in the backward pass rather than kept. Only the positions asked for
+(the loss mask in the update) go through the head.
 
-`token_logprobs_rows` is the plain teacher-forced pass over short token rows that some baselines take (IGPO, CRAFT).
+`token_logprobs_rows` is the plain teacher-forced pass over short token rows that some baselines
+take (IGPO, CRAFT).
 """
 import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-CHUNK_ELEMENTS = 1 << 24  # positions x vocabulary per LM-head chunk: 64 MB per float32 (chunk, V) block
+# positions x vocabulary per LM-head chunk: 64 MB per float32 (chunk, V) block
+CHUNK_ELEMENTS = 1 << 24
 
 
 def _unwrap(model):
@@ -28,16 +33,17 @@ def _unwrap(model):
 
 
 def final_hidden(model, input_ids, attention_mask):
-    """(B, L, H) hidden states after the final norm, from the wrapper's forward (logits of the last position only).
-    A transformers model's final norm output is read by a hook: asking for output_hidden_states would keep every
-    layer's states (2.4 GB at 8 x 2000 tokens of Qwen2.5-3B) through a pass without gradients. No KV cache is built
-    (use_cache=False: a cache of the whole micro-batch would be made and thrown away)."""
+    """(B, L, H) hidden states after the final norm, from the wrapper's forward (logits of the last
+    position only). A transformers model's final norm output is read by a hook: asking for
+    output_hidden_states would keep every layer's states (2.4 GB at 8 x 2000 tokens of Qwen2.5-3B)
+    through a pass without gradients. No KV cache is built (use_cache=False: a cache of the whole
+    micro-batch would be made and thrown away)."""
     inner = _unwrap(model)
     norm = getattr(inner.base_model, "norm", None) if type(inner).forward.__module__.startswith("transformers.") \
         else None
     if norm is None:  # a model whose forward is its own: its reported last hidden state
-        return model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
-                     use_cache=False).hidden_states[-1]
+        return model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                     logits_to_keep=1, use_cache=False).hidden_states[-1]
     seen = []
     hook = norm.register_forward_hook(lambda mod, args, out: seen.append(out))
     try:
@@ -49,7 +55,8 @@ def final_hidden(model, input_ids, attention_mask):
 
 def _chunk_stats(head, h, targets, temperature, with_entropy):
     """(n,) log-probs (and entropies) of targets under softmax(head(h) / T); h (n, H)."""
-    logits = head(h.to(head.weight.dtype)).float()  # (n, V); h is float32 out of an accelerate-wrapped forward
+    # (n, V); h is float32 out of an accelerate-wrapped forward
+    logits = head(h.to(head.weight.dtype)).float()
     if temperature != 1:
         logits = logits / temperature
     lse = torch.logsumexp(logits, -1)  # (n,)
@@ -59,26 +66,31 @@ def _chunk_stats(head, h, targets, temperature, with_entropy):
     return lp, lse - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False, positions=None,
-                   chunk_elements=CHUNK_ELEMENTS):
-    """log pi(x_{k+1} | x_<=k) at every position k, (B, L-1), and the entropy (or None); 0 where not computed.
+def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False,
+                   positions=None, chunk_elements=CHUNK_ELEMENTS):
+    """log pi(x_{k+1} | x_<=k) at every position k, (B, L-1), and the entropy (or None); 0 where not
+    computed.
 
-    positions: (B, L-1) bool, the positions to compute (default: every k whose token and next token are real).
+    positions: (B, L-1) bool, the positions to compute (default: every k whose token and next token
+    are real).
     """
-    hidden = final_hidden(model, input_ids, attention_mask)[:, :-1]  # (B, L-1, H): what the LM head reads
+    # (B, L-1, H): what the LM head reads
+    hidden = final_hidden(model, input_ids, attention_mask)[:, :-1]
     if positions is None:
         positions = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
     sel = positions.bool().flatten().nonzero().squeeze(1)  # (N,) flat indices into (B, L-1)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)  # (N, H)
     targets = input_ids[:, 1:].reshape(-1).index_select(0, sel)
-    # DEVIATION P4: the head runs outside the wrapper's forward (its weight gets both uses' gradients in one
-    # backward): right for DDP and ZeRO-2, not for ZeRO-3 / FSDP, which shard the head's weight.
+    # DEVIATION P4: the head runs outside the wrapper's forward (its weight gets both uses'
+    # gradients in one backward): right for DDP and ZeRO-2, not for ZeRO-3 / FSDP, which shard the
+    # head's weight.
     head = _unwrap(model).get_output_embeddings()
     step = max(1, chunk_elements // head.weight.shape[0])
     lps, ents = [], []
     for s in range(0, len(sel), step):
         args = (head, h[s:s + step], targets[s:s + step], temperature, with_entropy)
-        if torch.is_grad_enabled():  # keep only h per chunk; the (chunk, V) block is recomputed in backward
+        # keep only h per chunk; the (chunk, V) block is recomputed in backward
+        if torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False)
         else:
             lp, ent = _chunk_stats(*args)
@@ -92,13 +104,15 @@ def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=F
 def _scatter(parts, sel, shape, like):
     flat = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=like.device)
     if parts:
-        flat = flat.index_put((sel,), torch.cat(parts))  # out of place: autograd flows into the chunks
+        # out of place: autograd flows into the chunks
+        flat = flat.index_put((sel,), torch.cat(parts))
     return flat.view(shape)
 
 
 def length_sorted_splits(lengths, rows, n_splits: int) -> list:
-    """rows split into n_splits micro-batches of similar lengths (stable sort by length): little padding per split.
-    The loss is a token sum, so which rows share a micro-batch changes only float rounding."""
+    """rows split into n_splits micro-batches of similar lengths (stable sort by length): little
+    padding per split. The loss is a token sum, so which rows share a micro-batch changes only float
+    rounding."""
     rows = np.asarray(rows)
     rows = rows[np.argsort(np.asarray(lengths)[rows], kind="stable")]
     return [r for r in np.array_split(rows, n_splits) if len(r)]
@@ -111,23 +125,26 @@ def trimmed(batch: dict, rows, keys=("input_ids", "attention_mask", "loss_mask")
 
 
 def check_context(batch: dict, max_context: int | None):
-    """Refuse a batch with a row longer than max_context: no pass may allocate past what the rollout is bounded by
-    (one 15k-token prompt made a (chunk, V) pass ask for 9 GB). None: unchecked."""
+    """Refuse a batch with a row longer than max_context: no pass may allocate past what the rollout
+    is bounded by (one 15k-token prompt made a (chunk, V) pass ask for 9 GB). None: unchecked."""
     if max_context is None:
         return
     lengths = batch["attention_mask"].sum(1)
     if len(lengths) and int(lengths.max()) > max_context:
         b = int(lengths.argmax())
-        raise ValueError(f"batch_logprobs: row {b} has {int(lengths[b])} tokens, past max_context={max_context} "
-                         f"({int((lengths > max_context).sum())} such row(s)); over-long prompts are refused when "
-                         "the QA file is loaded (eval.refuse_long_prompts)")
+        raise ValueError(
+            f"batch_logprobs: row {b} has {int(lengths[b])} tokens, past max_context={max_context} "
+            f"({int((lengths > max_context).sum())} such row(s)); over-long prompts are refused when "
+            "the QA file is loaded (eval.refuse_long_prompts)")
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch, temperature, micro_batch_size, with_entropy=False, max_context=None):
-    """(log-probs, entropy or None) at the loss-masked positions of a batch (0 elsewhere: DEVIATION P2), no grads
-    (old policy, reference); micro-batches of similar lengths, each cut to its longest row. With max_context, a row
-    longer than it is refused before any forward (check_context)."""
+def batch_logprobs(model, batch, temperature, micro_batch_size, with_entropy=False,
+                   max_context=None):
+    """(log-probs, entropy or None) at the loss-masked positions of a batch (0 elsewhere:
+    DEVIATION P2), no grads (old policy, reference); micro-batches of similar lengths, each cut to
+    its longest row. With max_context, a row longer than it is refused before any forward
+    (check_context)."""
     check_context(batch, max_context)
     n = batch["input_ids"].shape[0]
     lp = torch.zeros(n, batch["input_ids"].shape[1] - 1, device=batch["input_ids"].device)
@@ -135,8 +152,9 @@ def batch_logprobs(model, batch, temperature, micro_batch_size, with_entropy=Fal
     lengths = batch["attention_mask"].sum(1).cpu().numpy()
     for rows in length_sorted_splits(lengths, np.arange(n), -(-n // micro_batch_size)):
         mb, w = trimmed(batch, rows)
-        lp[rows, :w - 1], e = token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature,
-                                             with_entropy, mb["loss_mask"][:, 1:].bool())
+        lp[rows, :w - 1], e = token_logprobs(model, mb["input_ids"], mb["attention_mask"],
+                                             temperature, with_entropy, mb["loss_mask"][:,
+                                                                                        1:].bool())
         if with_entropy:
             ent[rows, :w - 1] = e
     return lp, ent
@@ -159,13 +177,17 @@ def pad_rows(rows: list, pad_id: int, device) -> tuple:
 
 
 @torch.no_grad()
-def token_logprobs_rows(model, rows: list, pad_id: int, micro: int, temperature: float = 1.0) -> list:
-    """Per row (len n), the n - 1 log-probs log softmax(logits / T)[row[k + 1]] at positions k = 0..n-2, teacher-forced
-    through the full LM head (rows are short: IGPO's gold-answer log-probs, CRAFT's teacher log-probs)."""
+def token_logprobs_rows(model, rows: list, pad_id: int, micro: int,
+                        temperature: float = 1.0) -> list:
+    """Per row (len n), the n - 1 log-probs log softmax(logits / T)[row[k + 1]] at positions k =
+    0..n-2, teacher-forced through the full LM head (rows are short: IGPO's gold-answer log-probs,
+    CRAFT's teacher log-probs)."""
     ids, att = pad_rows(rows, pad_id, next(model.parameters()).device)
     out = []
     for r in micro_batches(len(rows), micro):
         logits = model(input_ids=ids[r], attention_mask=att[r]).logits[:, :-1].float() / temperature
         lp = torch.log_softmax(logits, -1).gather(-1, ids[r][:, 1:, None]).squeeze(-1)  # (b, L-1)
-        out += [lp[j, :len(rows[int(b)]) - 1].cpu().numpy().astype(np.float64) for j, b in enumerate(r)]
+        out += [
+            lp[j, :len(rows[int(b)]) - 1].cpu().numpy().astype(np.float64) for j, b in enumerate(r)
+        ]
     return out

@@ -1,14 +1,16 @@
 """A training run's files: checkpoints, the metrics log, experiment trackers, and the out_dir guard.
 
-Everything here makes a run resumable and never lost, and none of it is the method (train_twice.py): checkpoints
-are written atomically (temp dir, then rename) with the config, step, predictor and sigma_hat state and provenance;
-a resume refuses a changed config or a checkpoint past --steps; metrics.jsonl survives a torn last line; a new run
-never mixes its files with another run's; every scalar also goes to TensorBoard and, when asked, W&B.
+Everything here makes a run resumable and never lost, and none of it is the method (train_twice.py):
+checkpoints are written atomically (temp dir, then rename) with the config, step, predictor and
+sigma_hat state and provenance; a resume refuses a changed config or a checkpoint past --steps;
+metrics.jsonl survives a torn last line; a new run never mixes its files with another run's; every
+scalar also goes to TensorBoard and, when asked, W&B.
 
-A run folder (DESIGN.md section 12) is held by one run at a time: rank 0 holds an exclusive flock on out_dir/.lock
+A run folder (DESIGN.md section 12) is held by one run at a time: rank 0 holds an exclusive flock on
+out_dir/.lock
 for the life of the run (the kernel releases it when the process dies, so a lock left by kill -9 is free again), and
-out_dir/run.id names the run whose lineage the folder holds: every checkpoint's run.json carries it, and a resume
-into a folder of another run is refused.
+out_dir/run.id names the run whose lineage the folder holds: every checkpoint's run.json carries it,
+and a resume into a folder of another run is refused.
 """
 import contextlib
 import copy
@@ -39,16 +41,19 @@ def _provenance() -> dict:
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         commit = ""
-    return {"git_commit": commit, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": sys.version.split()[0], "numerics": numerics.describe()}
+    return {
+        "git_commit": commit, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": sys.version.split()[0], "numerics": numerics.describe()
+    }
 
 
 def save(cfg, run, step: int, last: bool = False) -> str:
-    """out_dir/step_NNNNNN: policy/ (HF folder, deployable), trainer/ (accelerate state: weights, optimizer, RNG),
-    run.json (config, step, predictor and sigma_hat, provenance); the run's last one also policy_bf16/ (export_bf16).
-    With LoRA, policy/ is the adapter (PEFT folder), trainer/ the adapters' weights and AdamW state only, and the last
-    one also holds policy_merged/ (the merged policy, float32, plain HF folder; policy_bf16/ is that in bf16).
-    Written to a temp dir, then renamed: atomic. Only then are old checkpoints pruned (prune_checkpoints)."""
+    """out_dir/step_NNNNNN: policy/ (HF folder, deployable), trainer/ (accelerate state: weights,
+    optimizer, RNG), run.json (config, step, predictor and sigma_hat, provenance); the run's last
+    one also policy_bf16/ (export_bf16). With LoRA, policy/ is the adapter (PEFT folder), trainer/
+    the adapters' weights and AdamW state only, and the last one also holds policy_merged/ (the
+    merged policy, float32, plain HF folder; policy_bf16/ is that in bf16). Written to a temp dir,
+    then renamed: atomic. Only then are old checkpoints pruned (prune_checkpoints)."""
     accel = run.accel
     final = os.path.join(cfg.out_dir, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -58,31 +63,39 @@ def save(cfg, run, step: int, last: bool = False) -> str:
     accel.save_state(os.path.join(tmp, "trainer"))
     if accel.is_main_process:
         policy = accel.unwrap_model(run.policy)
-        (policy if run.adapter is None else run.adapter).save_pretrained(os.path.join(tmp, "policy"))
+        (policy if run.adapter is None else run.adapter).save_pretrained(os.path.join(
+            tmp, "policy"))
         run.tok.save_pretrained(os.path.join(tmp, "policy"))
-        state = {"config": dataclasses.asdict(cfg), "step": step, "predictor": run.predictor.state_dict(),
-                 "token_predictor": run.token_predictor.state_dict(), "method": run.method.state_dict(),
-                 "tokens": run.tokens,
-                 "sigma_hat": run.sigma_hat.state_dict(), "run_id": run_id(cfg.out_dir), **_provenance()}
+        state = {
+            "config": dataclasses.asdict(cfg), "step": step,
+            "predictor": run.predictor.state_dict(),
+            "token_predictor": run.token_predictor.state_dict(), "method": run.method.state_dict(),
+            "tokens": run.tokens, "sigma_hat": run.sigma_hat.state_dict(), "run_id": run_id(
+                cfg.out_dir), **_provenance()
+        }
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(state, f)
-        if hasattr(run.method, "save"):  # learned estimators: weights and optimizer state (methods/learned.py)
+        # learned estimators: weights and optimizer state (methods/learned.py)
+        if hasattr(run.method, "save"):
             run.method.save(tmp)
         if last:
-            if run.adapter is not None:  # W + (alpha / r) B A as a plain model, loadable without peft
+            # W + (alpha / r) B A as a plain model, loadable without peft
+            if run.adapter is not None:
                 policy = lora.merged_model(policy)
                 policy.save_pretrained(os.path.join(tmp, "policy_merged"))
                 run.tok.save_pretrained(os.path.join(tmp, "policy_merged"))
             export_bf16(policy, run.tok, os.path.join(tmp, "policy_bf16"))
         swap_in(tmp, final)
-        prune_checkpoints(cfg.out_dir, cfg.keep_checkpoints, step, last)  # after the swap: the new one is complete
+        # after the swap: the new one is complete
+        prune_checkpoints(cfg.out_dir, cfg.keep_checkpoints, step, last)
     accel.wait_for_everyone()
     return final
 
 
 def swap_in(tmp: str, final: str):
-    """Rename the complete folder tmp to final. An existing final is renamed aside first and deleted last, so a
-    complete checkpoint exists at every instant (recover_checkpoints puts an aside one back after a crash)."""
+    """Rename the complete folder tmp to final. An existing final is renamed aside first and deleted
+    last, so a complete checkpoint exists at every instant (recover_checkpoints puts an aside one
+    back after a crash)."""
     if os.path.exists(final):
         os.replace(final, final + ".old")
     os.replace(tmp, final)
@@ -91,8 +104,9 @@ def swap_in(tmp: str, final: str):
 
 
 def recover_checkpoints(out_dir: str):
-    """After a crash inside swap_in: step_N.old whose step_N is missing is the complete checkpoint, put back. After a
-    crash inside prune_checkpoints: step_N.del (renamed there, a pruned checkpoint) finishes being deleted."""
+    """After a crash inside swap_in: step_N.old whose step_N is missing is the complete checkpoint,
+    put back. After a crash inside prune_checkpoints: step_N.del (renamed there, a pruned
+    checkpoint) finishes being deleted."""
     for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
         if name.endswith(".del") and CHECKPOINT.fullmatch(name[:-4]):
             shutil.rmtree(os.path.join(out_dir, name))
@@ -105,22 +119,26 @@ def recover_checkpoints(out_dir: str):
                 print(f"{final}: restored from {name} (a save was interrupted)", flush=True)
 
 
-CHECKPOINT = re.compile(r"step_(\d{6})")  # a checkpoint folder's name (save); step_N.tmp/.old/.del are not
+# a checkpoint folder's name (save); step_N.tmp/.old/.del are not
+CHECKPOINT = re.compile(r"step_(\d{6})")
 
 
 def checkpoint_steps(out_dir: str) -> list:
     """Sorted (step, path) of out_dir's checkpoint folders (names matching CHECKPOINT)."""
-    found = ((CHECKPOINT.fullmatch(name), os.path.join(out_dir, name)) for name in os.listdir(out_dir))
+    found = ((CHECKPOINT.fullmatch(name), os.path.join(out_dir, name))
+             for name in os.listdir(out_dir))
     return sorted((int(m.group(1)), path) for m, path in found if m and os.path.isdir(path))
 
 
 def prune_checkpoints(out_dir: str, keep: int, step: int, last: bool = False) -> list:
-    """Delete this run's checkpoints older than its `keep` newest at steps <= step (the last one of a run is kept on
-    top: keep + 1 remain). Called only once step's checkpoint is complete and swapped in, so the newest checkpoint,
-    the one a resume needs, is never deleted; a checkpoint past step (written before a resume from an earlier one) is
-    left for its re-save to replace. Deletes only folders named step_NNNNNN whose run.json carries this folder's run
-    id; each is renamed to step_N.del first (one atomic rename), so a crash mid-delete leaves no partial folder under
-    a checkpoint's name (recover_checkpoints finishes it). keep = 0 keeps every checkpoint. Returns the deleted."""
+    """Delete this run's checkpoints older than its `keep` newest at steps <= step (the last one of
+    a run is kept on top: keep + 1 remain). Called only once step's checkpoint is complete and
+    swapped in, so the newest checkpoint, the one a resume needs, is never deleted; a checkpoint
+    past step (written before a resume from an earlier one) is left for its re-save to replace.
+    Deletes only folders named step_NNNNNN whose run.json carries this folder's run id; each is
+    renamed to step_N.del first (one atomic rename), so a crash mid-delete leaves no partial folder
+    under a checkpoint's name (recover_checkpoints finishes it). keep = 0 keeps every checkpoint.
+    Returns the deleted."""
     rid = run_id(out_dir)
     if keep <= 0 or not rid:
         return []
@@ -139,8 +157,9 @@ def prune_checkpoints(out_dir: str, keep: int, step: int, last: bool = False) ->
 
 
 def export_bf16(model, tok, path: str):
-    """The policy in bf16 as an HF folder (safetensors, tokenizer): 2 bytes per parameter, an eighth of a checkpoint
-    (DESIGN.md section 12), for evaluation and serving. The weights are cast on the CPU: no second GPU copy."""
+    """The policy in bf16 as an HF folder (safetensors, tokenizer): 2 bytes per parameter, an eighth
+    of a checkpoint (DESIGN.md section 12), for evaluation and serving. The weights are cast on the
+    CPU: no second GPU copy."""
     cast, state = {}, {}  # tied tensors (embedding and LM head) stay one tensor, stored once
     for k, v in model.state_dict().items():
         if v.data_ptr() not in cast:
@@ -153,29 +172,51 @@ def export_bf16(model, tok, path: str):
     tok.save_pretrained(path)
 
 
-RESUME_FREE = {"resume", "steps", "token_budget", "eval_every", "eval_tokens", "eval_size", "save_every", "out_dir",
-               "overwrite", "keep_checkpoints", "log_episodes", "log_tensorboard", "log_wandb", "wandb_project",
-               "collective_timeout_h", "ref_offload"}  # ref_offload: where the reference waits, no number changes
+RESUME_FREE = {
+    "resume",
+    "steps",
+    "token_budget",
+    "eval_every",
+    "eval_tokens",
+    "eval_size",
+    "save_every",
+    "out_dir",
+    "overwrite",
+    "keep_checkpoints",
+    "log_episodes",
+    "log_tensorboard",
+    "log_wandb",
+    "wandb_project",
+    # ref_offload: where the reference waits, no number changes
+    "collective_timeout_h",
+    "ref_offload"
+}
 
 
 def load(cfg, run) -> int:
-    """Restore weights, optimizer, RNG, predictor and sigma_hat from cfg.resume; returns the step to continue from.
-    Refuses a checkpoint written with a config that differs in anything that changes results, or past cfg.steps."""
+    """Restore weights, optimizer, RNG, predictor and sigma_hat from cfg.resume; returns the step to
+    continue from. Refuses a checkpoint written with a config that differs in anything that changes
+    results, or past cfg.steps."""
     state = read_state(cfg.resume)
     if not os.path.isdir(os.path.join(cfg.resume, "trainer")):
-        raise ValueError(f"{cfg.resume}: no trainer/ folder (weights, optimizer, RNG): not a complete checkpoint")
+        raise ValueError(
+            f"{cfg.resume}: no trainer/ folder (weights, optimizer, RNG): not a complete checkpoint"
+        )
     diff = {k: (v, getattr(cfg, k)) for k, v in state["config"].items()
             if k not in RESUME_FREE and hasattr(cfg, k) and getattr(cfg, k) != v}
     if diff:
         raise ValueError(f"{cfg.resume}: config differs from the checkpoint's (saved, now): {diff}")
     if cfg.steps < state["step"]:
-        raise ValueError(f"{cfg.resume}: the checkpoint is at step {state['step']}, past --steps={cfg.steps}; "
-                         f"set --steps >= {state['step']}")
-    if run.adapter is not None:  # trainer/ holds the adapters only: loaded non-strictly, so checked first
+        raise ValueError(
+            f"{cfg.resume}: the checkpoint is at step {state['step']}, past --steps={cfg.steps}; "
+            f"set --steps >= {state['step']}")
+    # trainer/ holds the adapters only: loaded non-strictly, so checked first
+    if run.adapter is not None:
         lora.check_trainer(os.path.join(cfg.resume, "trainer"), run.policy)
     run.accel.load_state(os.path.join(cfg.resume, "trainer"), strict=run.adapter is None)
     run.predictor.load_state_dict(state["predictor"])
-    if "token_predictor" in state:  # checkpoints from before token forks have none (nothing learnt yet)
+    # checkpoints from before token forks have none (nothing learnt yet)
+    if "token_predictor" in state:
         run.token_predictor.load_state_dict(state["token_predictor"])
     run.sigma_hat.load_state_dict(state["sigma_hat"])
     run.method.load_state_dict(state["method"])
@@ -195,20 +236,26 @@ def read_state(ckpt: str) -> dict:
         raise ValueError(f"{path}: missing: {ckpt} is not a checkpoint of this project (step_N/ with run.json)") \
             from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not readable JSON ({e}): a truncated or corrupt checkpoint") from None
-    missing = [k for k in ("config", "step", "predictor", "sigma_hat", "method", "tokens") if k not in state]
+        raise ValueError(
+            f"{path}: not readable JSON ({e}): a truncated or corrupt checkpoint") from None
+    missing = [
+        k for k in ("config", "step", "predictor", "sigma_hat", "method", "tokens")
+        if k not in state
+    ]
     if missing:
-        raise ValueError(f"{path}: missing field(s) {', '.join(missing)}: a truncated or corrupt checkpoint")
+        raise ValueError(
+            f"{path}: missing field(s) {', '.join(missing)}: a truncated or corrupt checkpoint")
     return state
 
 
-RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "episodes.jsonl", "episodes.jsonl.orphaned", "config.json",
-             "learning_curve.png", "tb", "wandb", "run.id")
+RUN_FILES = ("metrics.jsonl", "metrics.jsonl.orphaned", "episodes.jsonl", "episodes.jsonl.orphaned",
+             "config.json", "learning_curve.png", "tb", "wandb", "run.id")
 LOCK_FILE, RUN_ID_FILE = ".lock", "run.id"
 
 
 def lock_out_dir(out_dir: str) -> int:
-    """An exclusive flock on out_dir/.lock (its file descriptor), or a ValueError naming the run that holds it."""
+    """An exclusive flock on out_dir/.lock (its file descriptor), or a ValueError naming the run
+    that holds it."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, LOCK_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -217,10 +264,14 @@ def lock_out_dir(out_dir: str) -> int:
     except BlockingIOError:
         holder = open(path, encoding="utf-8", errors="replace").read().strip() or "another process"
         os.close(fd)
-        raise ValueError(f"{out_dir} is in use by a running run ({holder}): wait for it to end, or choose another "
-                         "--out_dir") from None
+        raise ValueError(
+            f"{out_dir} is in use by a running run ({holder}): wait for it to end, or choose another "
+            "--out_dir") from None
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    os.write(
+        fd,
+        f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".
+        encode())
     return fd
 
 
@@ -231,14 +282,17 @@ def run_id(out_dir: str) -> str:
 
 def is_run_folder(out_dir: str) -> bool:
     """Written by this project: its run.id, a metrics.jsonl, or a checkpoint with run.json."""
-    return any(os.path.exists(os.path.join(out_dir, f)) for f in (RUN_ID_FILE, "metrics.jsonl")) or any(
-        os.path.exists(os.path.join(out_dir, f, "run.json")) for f in os.listdir(out_dir) if f.startswith("step_"))
+    return any(os.path.exists(os.path.join(out_dir, f))
+               for f in (RUN_ID_FILE, "metrics.jsonl")) or any(
+                   os.path.exists(os.path.join(out_dir, f, "run.json"))
+                   for f in os.listdir(out_dir) if f.startswith("step_"))
 
 
 def prepare_out_dir(cfg):
-    """A new run never mixes with another run's files: refuse a folder that holds one, unless --overwrite (which
-    removes that run's files) or --resume from a checkpoint of that folder's run (which continues it). --overwrite
-    never touches a folder this project did not write (a model folder's config.json, say)."""
+    """A new run never mixes with another run's files: refuse a folder that holds one, unless
+    --overwrite (which removes that run's files) or --resume from a checkpoint of that folder's run
+    (which continues it). --overwrite never touches a folder this project did not write (a model
+    folder's config.json, say)."""
     recover_checkpoints(cfg.out_dir)
     found = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("step_") or f in RUN_FILES) \
         if os.path.isdir(cfg.out_dir) else []
@@ -246,25 +300,29 @@ def prepare_out_dir(cfg):
     own = state is not None and found and _same_run(cfg, state)
     if found and not own:
         if not cfg.overwrite:
-            what = (f"the run {run_id(cfg.out_dir) or '(no run.id)'}, not the lineage of {cfg.resume}" if state
-                    else f"a run ({', '.join(found[:4])}...)")
-            raise ValueError(f"{cfg.out_dir} already holds {what}: choose another --out_dir, continue it with "
-                             "--resume=DIR/step_N, or pass --overwrite to replace it")
+            what = (
+                f"the run {run_id(cfg.out_dir) or '(no run.id)'}, not the lineage of {cfg.resume}"
+                if state else f"a run ({', '.join(found[:4])}...)")
+            raise ValueError(
+                f"{cfg.out_dir} already holds {what}: choose another --out_dir, continue it with "
+                "--resume=DIR/step_N, or pass --overwrite to replace it")
         if not is_run_folder(cfg.out_dir):
-            raise ValueError(f"{cfg.out_dir} holds {', '.join(found[:4])} but is not a run folder of this project "
-                             "(no run.id, metrics.jsonl or step_*/run.json): --overwrite refuses to delete them")
+            raise ValueError(
+                f"{cfg.out_dir} holds {', '.join(found[:4])} but is not a run folder of this project "
+                "(no run.id, metrics.jsonl or step_*/run.json): --overwrite refuses to delete them")
         for f in found:
             path = os.path.join(cfg.out_dir, f)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    if not run_id(cfg.out_dir):  # a new run, or a lineage continued in a new folder: its id names the folder
+    # a new run, or a lineage continued in a new folder: its id names the folder
+    if not run_id(cfg.out_dir):
         with open(os.path.join(cfg.out_dir, RUN_ID_FILE), "w", encoding="utf-8") as f:
             f.write((state or {}).get("run_id") or uuid.uuid4().hex[:16])
 
 
 def _same_run(cfg, state: dict) -> bool:
-    """The checkpoint continues the run out_dir holds: same run id, or (checkpoints from before run ids) it lies
-    inside out_dir."""
+    """The checkpoint continues the run out_dir holds: same run id, or (checkpoints from before run
+    ids) it lies inside out_dir."""
     if run_id(cfg.out_dir) and state.get("run_id"):
         return run_id(cfg.out_dir) == state["run_id"]
     return os.path.realpath(cfg.resume).startswith(os.path.realpath(cfg.out_dir) + os.sep)
@@ -272,7 +330,8 @@ def _same_run(cfg, state: dict) -> bool:
 
 @contextlib.contextmanager
 def run_folder(cfg, main_process: bool = True):
-    """Hold out_dir for the life of the run (rank 0) and prepare it; released on exit, error or not."""
+    """Hold out_dir for the life of the run (rank 0) and prepare it; released on exit, error or not.
+    """
     fd = lock_out_dir(cfg.out_dir) if main_process else None
     try:
         if main_process:
@@ -280,14 +339,15 @@ def run_folder(cfg, main_process: bool = True):
         yield
     finally:
         if fd is not None:
-            if not run_id(cfg.out_dir):  # refused before it became a run folder: leave nothing of ours behind
+            # refused before it became a run folder: leave nothing of ours behind
+            if not run_id(cfg.out_dir):
                 os.remove(os.path.join(cfg.out_dir, LOCK_FILE))
             os.close(fd)  # the flock goes with it
 
 
 def read_metrics(path: str) -> list:
-    """(line, row) of metrics.jsonl; a torn last line (a crash mid-write) is dropped with a warning, any other bad
-    line names the file and line."""
+    """(line, row) of metrics.jsonl; a torn last line (a crash mid-write) is dropped with a warning,
+    any other bad line names the file and line."""
     lines = open(path, encoding="utf-8").read().splitlines()
     rows = []
     for n, line in enumerate(lines, 1):
@@ -298,13 +358,15 @@ def read_metrics(path: str) -> list:
         except json.JSONDecodeError as e:
             if n < len(lines):
                 raise ValueError(f"{path}:{n}: malformed JSON ({e.msg})") from None
-            print(f"warning: {path}:{n}: dropped a torn last line (interrupted write): {line[:60]!r}", flush=True)
+            print(
+                f"warning: {path}:{n}: dropped a torn last line (interrupted write): {line[:60]!r}",
+                flush=True)
     return rows
 
 
 def truncate_metrics(path: str, start: int):
-    """On resume, rows of steps >= start (logged after the checkpoint) move to metrics.jsonl.orphaned: the file then
-    holds exactly one row per step, and nothing is lost."""
+    """On resume, rows of steps >= start (logged after the checkpoint) move to
+    metrics.jsonl.orphaned: the file then holds exactly one row per step, and nothing is lost."""
     if not os.path.exists(path):
         return
     rows = read_metrics(path)
@@ -324,23 +386,30 @@ def open_trackers(cfg) -> list:
         trackers.append(SummaryWriter(os.path.join(cfg.out_dir, "tb")))
     if cfg.log_wandb:
         import wandb
-        trackers.append(wandb.init(project=cfg.wandb_project, dir=cfg.out_dir, config=dataclasses.asdict(cfg),
-                                   name=os.path.basename(os.path.abspath(cfg.out_dir))))
+        trackers.append(
+            wandb.init(project=cfg.wandb_project, dir=cfg.out_dir, config=dataclasses.asdict(cfg),
+                       name=os.path.basename(os.path.abspath(cfg.out_dir))))
     return trackers
 
 
 def log_metrics(cfg, metrics: dict, trackers=()):
     """One human line, one json row in metrics.jsonl, and the scalars to every tracker."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    clean = {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+        for k, v in metrics.items()
+    }
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(clean) + "\n")
     parts = [f"step {metrics['step'] + 1}/{cfg.steps}"]
-    for key, fmt in (("reward", ".3f"), ("eval_em", ".3f"), ("kl", ".4f"), ("clip_frac", ".3f"), ("twins", "d"),
-                     ("discordance", ".2f"), ("twin_token_ratio", ".2f"), ("time", ".1f")):
+    for key, fmt in (("reward", ".3f"), ("eval_em", ".3f"), ("kl", ".4f"), ("clip_frac", ".3f"),
+                     ("twins", "d"), ("discordance", ".2f"), ("twin_token_ratio", ".2f"), ("time",
+                                                                                           ".1f")):
         if clean.get(key) is not None:
             parts.append(f"{key} {clean[key]:{fmt}}")
     print(" | ".join(parts), flush=True)
-    scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k not in ("step", "final")}
+    scalars = {
+        k: v for k, v in clean.items() if isinstance(v, (int, float)) and k not in ("step", "final")
+    }
     for tracker in trackers:
         if hasattr(tracker, "add_scalar"):  # TensorBoard
             for k, v in scalars.items():
@@ -351,8 +420,8 @@ def log_metrics(cfg, metrics: dict, trackers=()):
 
 
 def start_log(cfg, start: int) -> list:
-    """metrics.jsonl and episodes.jsonl cut back to the resumed step, config.json written and printed; returns the
-    trackers."""
+    """metrics.jsonl and episodes.jsonl cut back to the resumed step, config.json written and
+    printed; returns the trackers."""
     for name in ("metrics.jsonl", "episodes.jsonl"):
         truncate_metrics(os.path.join(cfg.out_dir, name), start)
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -362,19 +431,24 @@ def start_log(cfg, start: int) -> list:
 
 
 def episode_rows(step: int, episodes, twins, n: int, world: int) -> list:
-    """n of this rank's episodes, evenly spaced over its batch (different prompts and lines), as lab/replay.py prints
-    and checks them: turns, actions, retrieved ids, reward, the response's token ids, and each twin of theirs
-    (rollout.TwinResult: turn, fork token k or None, kind, D, the twin's tokens from its branch turn)."""
+    """n of this rank's episodes, evenly spaced over its batch (different prompts and lines), as
+    lab/replay.py prints and checks them: turns, actions, retrieved ids, reward, the response's
+    token ids, and each twin of theirs (rollout.TwinResult: turn, fork token k or None, kind, D, the
+    twin's tokens from its branch turn)."""
     picked = [episodes[i] for i in sorted(set(np.linspace(0, len(episodes) - 1, n).round().astype(int)))] \
         if episodes and n else []
     rows = []
     for ep in picked:
         mine = twins_of(ep, twins)
-        rows.append({"step": step, "uid": ep.uid, "line": ep.line, "world": world, "question": ep.question,
-                     "reward": ep.reward, "answer": ep.answer, "ids": ep.ids,
-                     "turns": [{"text": t.text, "action": t.action, "doc_ids": list(t.doc_ids)} for t in ep.turns],
-                     "twins": [{"turn": tw.turn, "k": tw.k, "j": tw.j, "kind": tw.kind, "diff": tw.diff,
-                                "outcome": tw.outcome, "ids": twin_tokens(ep, tw)} for tw in mine]})
+        rows.append({
+            "step": step, "uid": ep.uid, "line": ep.line, "world": world, "question": ep.question,
+            "reward": ep.reward, "answer": ep.answer, "ids": ep.ids, "turns": [{
+                "text": t.text, "action": t.action, "doc_ids": list(t.doc_ids)
+            } for t in ep.turns], "twins": [{
+                "turn": tw.turn, "k": tw.k, "j": tw.j, "kind": tw.kind, "diff": tw.diff,
+                "outcome": tw.outcome, "ids": twin_tokens(ep, tw)
+            } for tw in mine]
+        })
     return rows
 
 
@@ -384,24 +458,31 @@ def twins_of(ep, twins) -> list:
 
 
 def twin_tokens(ep, tw) -> list:
-    """A twin's response tokens from the start of the turn it changed on (a token fork's given tokens included)."""
+    """A twin's response tokens from the start of the turn it changed on (a token fork's given
+    tokens included)."""
     return tw.twin.ids[ep.turns[tw.turn].start:]
 
 
 def log_episodes(cfg, rows: list, trackers=()):
-    """Rows of episode_rows to out_dir/episodes.jsonl, as text to TensorBoard and as a table to W&B."""
+    """Rows of episode_rows to out_dir/episodes.jsonl, as text to TensorBoard and as a table to W&B.
+    """
     with open(os.path.join(cfg.out_dir, "episodes.jsonl"), "a") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     for tracker in trackers if rows else ():
-        texts = [(row["uid"], row["line"], row["reward"], "".join(t["text"] for t in row["turns"])) for row in rows]
+        texts = [(row["uid"], row["line"], row["reward"], "".join(t["text"] for t in row["turns"]))
+                 for row in rows]
         if hasattr(tracker, "add_text"):  # TensorBoard
-            tracker.add_text("episodes", "\n\n".join(f"**uid {u} line {l}, reward {r}**\n\n    " +
-                                                      x.replace("\n", "\n    ") for u, l, r, x in texts),
-                             rows[0]["step"])
+            tracker.add_text(
+                "episodes",
+                "\n\n".join(f"**uid {u} line {l}, reward {r}**\n\n    " + x.replace("\n", "\n    ")
+                            for u, l, r, x in texts), rows[0]["step"])
         else:  # W&B
             import wandb
-            tracker.log({"episodes": wandb.Table(columns=["uid", "line", "reward", "text"],
-                                                 data=[list(t) for t in texts])}, step=rows[0]["step"])
+            tracker.log(
+                {
+                    "episodes": wandb.Table(columns=["uid", "line", "reward", "text"],
+                                            data=[list(t) for t in texts])
+                }, step=rows[0]["step"])
 
 
 def end_log(cfg, final: dict, trackers):
@@ -410,3 +491,66 @@ def end_log(cfg, final: dict, trackers):
         f.write(json.dumps({**final, "final": True}) + "\n")
     for tracker in trackers:
         tracker.close() if hasattr(tracker, "close") else tracker.finish()
+
+
+# --- the end of a run: its learning curve and summary table ---
+
+def plot_curve(out_dir: str):
+    """learning_curve.png: greedy eval EM and sampled training reward against the step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [row for _, row in read_metrics(os.path.join(out_dir, "metrics.jsonl"))]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("reward", "train reward (sampled)"), ("eval_em", "eval EM (greedy)")):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "eval_em" else None, label=label)
+    ax.set(xlabel="step", ylabel="exact match", title=os.path.basename(os.path.abspath(out_dir)))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(os.path.join(out_dir, "learning_curve.png"), dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def run_summary(out_dir: str) -> str:
+    """Markdown: greedy EM per source before training (the step-0 eval) and after (the final one),
+    and the run's twin statistics summed over steps. Printed at the end of every run and by `make
+    demo`."""
+    rows = [row for _, row in read_metrics(os.path.join(out_dir, "metrics.jsonl"))]
+    first = next((r for r in rows if "eval_em" in r and not r.get("final")), {})
+    last = next((r for r in reversed(rows) if r.get("final")), {})
+    keys = sorted(k for k in last if k.startswith("eval_em/")) + ["eval_em"]
+    lines = ["| eval (greedy EM) | step 0 | final |", "|---|---:|---:|"]
+    lines += [
+        f"| {k.split('/')[-1] if '/' in k else 'average'} | {first.get(k, float('nan')):.3f} | "
+        f"{last.get(k, float('nan')):.3f} |" for k in keys
+    ]
+    steps = [r for r in rows if "final" not in r]
+    tot = {
+        k: sum(r.get(k, 0) for r in steps)
+        for k in ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts",
+                  "factual_tokens", "aux_tokens")
+    }
+    ratio = 1 + tot["aux_tokens"] / max(tot["factual_tokens"], 1)
+    tokens = (
+        f"generated tokens: factual {tot['factual_tokens']}, auxiliary (twins, continuations) "
+        f"{tot['aux_tokens']}, total / factual {ratio:.2f}x")
+    if tot["twins"]:
+        twins = tot["twins"]
+        lines += [
+            "",
+            f"{len(steps)} steps: {tot['decisions']} decisions, {twins} twins drawn (self-twins "
+            f"{tot['self_twins'] / twins:.1%}, same-evidence shortcuts {tot['shortcuts'] / twins:.1%}, "
+            f"{tot['twin_rollouts']} rolled out); {tokens}"
+        ]
+    else:
+        lines += ["", f"{len(steps)} steps; {tokens}"]
+    return "\n".join(lines)
+
+
+def finish_run(out_dir: str) -> str:
+    """What the end of every training run shows: learning_curve.png written, the summary table
+    returned."""
+    plot_curve(out_dir)
+    return run_summary(out_dir)

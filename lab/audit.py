@@ -34,7 +34,7 @@ Protocol (all rollouts through rollout.py's batched functions, many decisions x 
      within-decision correlation of U_r and U'_r, Var(D_coupled) / Var(D_independent) predicted and measured, and
      the token agreement after the decision (equal tokens at equal positions of the later turns, --line_keys).
 
-Deviations (README "Deviations"; tagged `# DEVIATION A<n>:` below):
+Deviations (DESIGN.md section 13; tagged `# DEVIATION A<n>:` below):
   A1. VinePPO's K in --vine_k are nested: the first K of max(K) rollouts per boundary and repeat (each an exact
      K-rollout estimate, repeats independent; the K of one repeat are correlated with each other).
   A2. Shortcut rows reuse twins rolled out without it: D = 0 and only y' counted where it fires; equal to
@@ -150,7 +150,7 @@ def _valid_ks(text: str) -> bool:
 
 def parse_args(argv=None) -> Config:
     """Config from `--key=value` / `--key value` options (infra/config.py)."""
-    return config.parse(Config, [] if argv is None else argv, "lab/audit.py", presets=False)
+    return config.parse(Config, [] if argv is None else argv, "lab.audit", presets=False)
 
 
 def vine_ks_of(text: str) -> list:
@@ -591,4 +591,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(config.cli(Config, prog="lab/audit.py", presets=False))
+    main(config.cli(Config, prog="lab.audit", presets=False))

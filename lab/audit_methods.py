@@ -8,7 +8,7 @@ fresh_key(key, METHOD_TAG, t, r). SPA-RL's and AgentPRM's estimators first train
 train questions not audited. lab/audit.py holds the protocol, the other estimators and the metrics; this file only
 runs the methods' own code on the audit's episodes.
 
-Deviations (README "Deviations"; tagged `# DEVIATION A<n>:` below):
+Deviations (DESIGN.md section 13; tagged `# DEVIATION A<n>:` below):
   A7. SPA-RL's and AgentPRM's estimators are trained first by --learned_steps trainer steps of the method (its rollout
      and turn_advantages) on the warm-start policy's episodes of train questions not audited (in training they follow
      a changing policy); every audit call restarts from that state and takes the trainer's online step on its batch.

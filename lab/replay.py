@@ -13,7 +13,7 @@ episode comes back exactly as sampled.
 
 Exactness: the rank's whole batch of step N is regenerated (rollout.step_prompts with the run's rank count: the
 logged `world`, else --world), as training generated it, because batched logits can differ in the last bit with the
-batch around a row; twins go through train_twice.twin_credit with the predictor state of step_N, so the branch
+batch around a row; twins go through the method's own twin credit (twice.py) with the predictor state of step_N, so the branch
 draws, the alternatives y' and D are training's. The cost is one rank's rollout of that step. With episodes.jsonl
 holding the episode, the replayed tokens are checked against it (exit status 1 when they differ).
 """
@@ -24,15 +24,15 @@ from types import SimpleNamespace
 
 import torch
 
-from methods import baselines
-from infra import checkpoint
-from infra import config
+import credit
 import eval as qa_eval
-from infra import lora
+import forks
 import methods
 import protocol
 import rollout
 import train_twice as tt
+import twice
+from infra import checkpoint, config, lora, weights
 from sampler import stable_id
 
 
@@ -80,7 +80,7 @@ def regenerate(cfg, policy, tok, retriever, rows, step: int, uid: int, world: in
         raise ValueError(f"uid {uid} is not among step {step}'s prompts (seed {cfg.seed}, {world} rank(s))")
     prompts = rollout.step_prompts(rows, cfg.prompts_per_step, cfg.seed, step, ranks[0], world)
     proto = protocol.protocol_from(cfg)
-    sampler = tt.sampling_copy(policy, torch.bfloat16 if cfg.bf16 else None)  # the weights train_step samples from
+    sampler = weights.sampling_copy(policy, torch.bfloat16 if cfg.bf16 else None)  # the weights train_step samples from
     with torch.no_grad():
         episodes = rollout.run_episodes(sampler, tok, retriever,
                                         rollout.start_episodes(tok, prompts, cfg.seed, step, cfg.group_size), proto)
@@ -89,14 +89,14 @@ def regenerate(cfg, policy, tok, retriever, rows, step: int, uid: int, world: in
             run = SimpleNamespace(accel=SimpleNamespace(num_processes=1, unwrap_model=lambda m: m), policy=policy,
                                   sampler=sampler,
                                   tok=tok, retriever=retriever, method=methods.make(cfg),
-                                  predictor=tt.credit.DiscordancePredictor(),
-                                  token_predictor=tt.credit.DiscordancePredictor(features=tt.forks.TOKEN_FEATURES),
-                                  sigma_hat=tt.credit.RunningScale(cfg.scale_decay, cfg.twin_scale))
+                                  predictor=credit.DiscordancePredictor(),
+                                  token_predictor=credit.DiscordancePredictor(features=forks.TOKEN_FEATURES),
+                                  sigma_hat=credit.RunningScale(cfg.scale_decay, cfg.twin_scale))
             for name in ("predictor", "token_predictor"):  # the branch draws and fork laws of step N
                 if state.get(name):
                     getattr(run, name).load_state_dict(state[name])
             batch = rollout.collate(episodes, tok.pad_token_id, cfg.max_context)
-            twins = tt.twin_credit(cfg, run, step, episodes, batch, proto)[1]["twins"]
+            twins = run.method.advantages(run, step, episodes, batch, proto)[1]["twins"]
     return episodes, twins
 
 
@@ -122,13 +122,21 @@ def show(ep, twins) -> str:
     return "\n".join(out)
 
 
+def load_lora(cfg, adapter: str, device):
+    """(policy, tokenizer) as a LoRA run's setup() builds them: the base from cfg.model in base_dtype, then the
+    adapter saved at `adapter` (a step_N/policy folder), or a fresh one (B = 0: the initial policy) when ''."""
+    policy, tok = qa_eval.load_policy(cfg.model, device, lora.base_dtype(cfg))
+    torch.manual_seed(cfg.seed)
+    return lora.attach(policy, cfg, adapter).get_base_model().eval(), tok
+
+
 def replay(opts: Replay) -> int:
     """Print the episode (and the twins asked for); 1 when episodes.jsonl logged it with other tokens."""
     uid = int(opts.uid) if opts.uid.lstrip("-").isdigit() else stable_id(opts.uid)
     path, state = policy_of(opts.run, opts.step)
     known = {f for f in tt.Config.__dataclass_fields__}
     cfg = tt.Config(**{k: v for k, v in state["config"].items() if k in known})
-    if type(methods.make(cfg)).rollout is not baselines.Method.rollout:  # ARPO's and Tree-GRPO's trees
+    if type(methods.make(cfg)).rollout is not twice.Method.rollout:  # ARPO's and Tree-GRPO's trees
         raise ValueError(f"method {cfg.method} samples its own trees (methods/baselines.py): replay regenerates the factual "
                          "episode loop of grpo, twice and the methods that share it")
     trained = [r["step"] for _, r in checkpoint.read_metrics(os.path.join(opts.run, "metrics.jsonl"))
@@ -140,7 +148,7 @@ def replay(opts: Replay) -> int:
     world = opts.world or (row or {}).get("world", 1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.lora_rank:  # the base as setup() loads it, with step_N's adapter (step 0: a fresh one, B = 0)
-        policy, tok = lora.load(cfg, path if opts.step else "", device)
+        policy, tok = load_lora(cfg, path if opts.step else "", device)
     else:
         policy, tok = qa_eval.load_policy(path, device, torch.float32 if opts.step == 0 else None)  # setup's / saved
     retriever = qa_eval.load_retriever(cfg.index, cfg.retriever_url)

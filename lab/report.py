@@ -17,6 +17,8 @@ import sys
 
 import numpy as np
 
+from infra import checkpoint
+
 
 def tokens_str(n: float) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k" if n >= 1e4 else f"{n:.0f}"
@@ -29,50 +31,6 @@ def mean_sd(xs, spec=".3f") -> str:
 def read_rows(out_dir: str) -> list:
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def plot_curve(out_dir: str):
-    """learning_curve.png: greedy eval EM and sampled training reward against the step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = read_rows(out_dir)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("reward", "train reward (sampled)"), ("eval_em", "eval EM (greedy)")):
-        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o" if key == "eval_em" else None, label=label)
-    ax.set(xlabel="step", ylabel="exact match", title=os.path.basename(os.path.abspath(out_dir)))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.savefig(os.path.join(out_dir, "learning_curve.png"), dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
-def run_summary(out_dir: str) -> str:
-    """Markdown: greedy EM per source before training (the step-0 eval) and after (the final one), and the run's
-    twin statistics summed over steps. Printed at the end of every run and by `make demo`."""
-    rows = read_rows(out_dir)
-    first = next((r for r in rows if "eval_em" in r and not r.get("final")), {})
-    last = next((r for r in reversed(rows) if r.get("final")), {})
-    keys = sorted(k for k in last if k.startswith("eval_em/")) + ["eval_em"]
-    lines = ["| eval (greedy EM) | step 0 | final |", "|---|---:|---:|"]
-    lines += [f"| {k.split('/')[-1] if '/' in k else 'average'} | {first.get(k, float('nan')):.3f} | "
-              f"{last.get(k, float('nan')):.3f} |" for k in keys]
-    steps = [r for r in rows if "final" not in r]
-    tot = {k: sum(r.get(k, 0) for r in steps) for k in ("decisions", "twins", "self_twins", "shortcuts",
-                                                         "twin_rollouts", "factual_tokens", "aux_tokens")}
-    ratio = 1 + tot["aux_tokens"] / max(tot["factual_tokens"], 1)
-    tokens = (f"generated tokens: factual {tot['factual_tokens']}, auxiliary (twins, continuations) "
-              f"{tot['aux_tokens']}, total / factual {ratio:.2f}x")
-    if tot["twins"]:
-        twins = tot["twins"]
-        lines += ["", f"{len(steps)} steps: {tot['decisions']} decisions, {twins} twins drawn (self-twins "
-                  f"{tot['self_twins'] / twins:.1%}, same-evidence shortcuts {tot['shortcuts'] / twins:.1%}, "
-                  f"{tot['twin_rollouts']} rolled out); {tokens}"]
-    else:
-        lines += ["", f"{len(steps)} steps; {tokens}"]
-    return "\n".join(lines)
 
 
 def eval_curves(runs: list, evals: list) -> np.ndarray:
@@ -541,15 +499,9 @@ def audit_scatter(path: str, a, ests: dict, metrics: dict):
     plt.close(fig)
 
 
-def finish_run(out_dir: str) -> str:
-    """What the end of every training run shows: learning_curve.png written, the summary table returned."""
-    plot_curve(out_dir)
-    return run_summary(out_dir)
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"run": lambda a: print(finish_run(a[0])), "compare": lambda a: print(compare_runs(a)),
+    commands = {"run": lambda a: print(checkpoint.finish_run(a[0])), "compare": lambda a: print(compare_runs(a)),
                 "methods": lambda a: print(compare_methods(a, png=os.path.join(os.path.dirname(
                     os.path.abspath(a[0])), "compare_methods_seeds{seeds}.png"))), "paper": paper_main,
                 "paired": lambda a: print(paired(a[2:], base=a[1]) if a[0] == "--base" else paired(a)),

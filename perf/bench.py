@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from perf.bench_engine import SHAPES, _env, _reset, bench_draw, engine_report, qwen_tokenizer
+from perf.bench_engine import SHAPES, _env, bench_draw, counting, engine_report, qwen_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
@@ -112,14 +112,13 @@ def demo_rollout_cost(engine: str, world: str, prompts=16, group=5) -> dict:
     import eval as qa_eval
     from protocol import Protocol
     from rollout import run_episodes, run_twins, start_episodes
-    counts = _reset()
     model, tok = qa_eval.load_policy(os.path.join(world, "policy"))
     retr = qa_eval.load_retriever(os.path.join(world, "index"))
     rows = qa_eval.load_qa(os.path.join(world, "train.jsonl"))[:prompts]
     proto = Protocol(max_turns=4, max_new_tokens=40, max_obs_tokens=300, max_context=1024, gen_batch_size=128,
                      engine=engine)
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), counting() as counts:
         eps = run_episodes(model, tok, retr, start_episodes(tok, rows, 0, 0, group), proto)
         twins = run_twins(model, tok, retr, [(ep, t, 0) for ep in eps for t in range(len(ep.turns))], proto)
     c = dict(counts)
@@ -138,7 +137,6 @@ def realistic_decode(engine: str, n=64, vocab=2048, median=80, cap=250, batch=64
     from generation.engine import generate_turn
     from protocol import Protocol
     from rollout import start_episodes
-    counts = _reset()
     _, tok = qa_eval.load_policy(os.path.join(ROOT, "data/tinyworld/policy"))
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
@@ -154,7 +152,8 @@ def realistic_decode(engine: str, n=64, vocab=2048, median=80, cap=250, batch=64
     rows = [{"id": f"r{i}", "question": f"question {i}", "golden_answers": ["x"]} for i in range(n)]
     proto = Protocol(max_new_tokens=cap, max_context=4096, gen_batch_size=batch, engine=engine)
     t0 = time.perf_counter()
-    gens = generate_turn(model, tok, start_episodes(tok, rows, 0, 0), proto)
+    with counting() as counts:
+        gens = generate_turn(model, tok, start_episodes(tok, rows, 0, 0), proto)
     c = dict(counts)
     lengths = sorted(len(g.ids) for g in gens)
     return {"engine": engine, "s": time.perf_counter() - t0, "finished_share": 1 - c["tokens"] / c["row_steps"],
@@ -320,15 +319,15 @@ def dense_random_index(corpus: str, out: str, rows: int, dim: int = 384, seed: i
     they cost with real ones; the rankings mean nothing)."""
     import faiss
     import numpy as np
-    import retriever
+    from retrieval.index import describe_prebuilt
     vectors = np.random.default_rng(seed).standard_normal((rows, dim), dtype=np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     index = faiss.IndexFlatIP(dim)
     index.add(vectors)
     os.makedirs(out, exist_ok=True)
     faiss.write_index(index, os.path.join(out, "vectors.faiss"))
-    retriever.describe_prebuilt(os.path.join(out, "vectors.faiss"), corpus, "minilm",
-                                out_dir=os.path.join(out, "index"))
+    describe_prebuilt(os.path.join(out, "vectors.faiss"), corpus, "minilm",
+                      out_dir=os.path.join(out, "index"))
 
 
 def bench_retrieval(rows=100_000, queries=200, batch=64, rounds=3, threads=1, encode=False, out=None) -> dict:
@@ -349,8 +348,8 @@ def bench_retrieval(rows=100_000, queries=200, batch=64, rounds=3, threads=1, en
         retriever.build_index(corpus, "minilm", os.path.join(out, "dense", "index"))
     else:
         dense_random_index(corpus, os.path.join(out, "dense"), rows)
-    systems = {"bm25": retriever.DenseRetriever(os.path.join(out, "bm25"), cache_size=0),
-               "dense": retriever.DenseRetriever(os.path.join(out, "dense", "index"), device="cpu", cache_size=0)}
+    systems = {"bm25": retriever.Retriever(os.path.join(out, "bm25"), cache_size=0),
+               "dense": retriever.Retriever(os.path.join(out, "dense", "index"), device="cpu", cache_size=0)}
     texts = [q for _, q in asked]
     alone, batched = {name: [] for name in systems}, {name: [] for name in systems}
     for name, system in systems.items():

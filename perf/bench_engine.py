@@ -4,10 +4,11 @@ from outside by _V1Probe), the keyed draw alone, and the GPU figure the first-GP
 
   python -m perf.bench cpu --parts=engine --json F    engine_report: old and new interleaved, in fresh processes
   python -m perf.bench draw                           bench_draw
-  python -c "import bench_engine; bench_engine.engine_gpu()"    on a GPU
+  python -c "from perf import bench_engine; bench_engine.engine_gpu()"    on a GPU
 
 It trains nothing and reads no dataset: random models with an EOS bias, the tiny world's tokenizer or Qwen2.5's.
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -52,11 +53,31 @@ def qwen_tokenizer():
     return tok
 
 
-def _reset() -> dict:
-    """engine.COUNTS, zeroed."""
-    from generation import engine
-    engine.COUNTS.update({k: 0 for k in engine.COUNTS})
-    return engine.COUNTS
+def this_engine():
+    """The engine module of the tree this process imports: generation/engine.py, or engine.py in a tree
+    from before the folders (the old tree of `bench.py cpu --base`)."""
+    try:
+        from generation import engine
+    except ImportError:
+        import engine
+    return engine
+
+
+@contextlib.contextmanager
+def counting(engine=None):
+    """A meter attached to the engine (generation/engine.py's METER) inside the block: a dict of what each
+    path spends (engine.METERED), from zero; detached after it, so runs outside a bench count nothing. An
+    older tree's engine adds up into its module-global COUNTS instead: those are zeroed and yielded."""
+    engine = engine or this_engine()
+    if not hasattr(engine, "METER"):
+        engine.COUNTS.update(dict.fromkeys(engine.COUNTS, 0))
+        yield engine.COUNTS
+        return
+    held, engine.METER = engine.METER, dict.fromkeys(engine.METERED, 0)
+    try:
+        yield engine.METER
+    finally:
+        engine.METER = held
 
 
 # --- the engine's decode: one turn of many rows at realistic lengths; the old engine runs in its own tree ---
@@ -86,7 +107,6 @@ def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250,
     """One generate_turn of `rows` fresh episodes over `slots` decode rows (after a 16-row warm-up call: caches
     allocated) with the `engine` module this process imports (this tree's; the old tree's in its process, measured by
     _V1Probe). Turn lengths: median `median`, cut at `cap`."""
-    from generation import engine
     import eval as qa_eval
     from protocol import Protocol
     from rollout import start_episodes
@@ -98,10 +118,11 @@ def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250,
     model = eos_biased(config, tok.eos_token_id, median)
     questions = [{"id": f"r{i}", "question": f"question {i}", "golden_answers": ["x"]} for i in range(rows)]
     proto = Protocol(max_new_tokens=cap, max_context=max_context, gen_batch_size=slots)
-    probe = None if hasattr(engine, "kvcache") else _V1Probe(engine)
-    with torch.no_grad():
+    engine = this_engine()
+    probe = None if hasattr(engine, "kvcache") or hasattr(engine, "METER") else _V1Probe(engine)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
         engine.generate_turn(model, tok, start_episodes(tok, questions[:16], 0, 1), proto)  # allocations, warm-up
-        counts = _reset()
+        counts = stack.enter_context(counting(engine))
         if probe:
             probe.reset()
         t0 = time.perf_counter()
@@ -145,12 +166,12 @@ def engine_gpu(shape: str = "3b", rows: int = 320, slots: int = 128, median: flo
                          cuda_graphs=graphs)
         with torch.no_grad():
             for step, n in ((1, rows), (0, rows)):  # a whole warm-up turn: every step shape captured before timing
-                counts = _reset()
-                torch.cuda.synchronize() if device == "cuda" else None
-                t0 = time.perf_counter()
-                gens = engine.generate_turn(model, tok, start_episodes(tok, questions[:n], 0, step), proto)
-                torch.cuda.synchronize() if device == "cuda" else None
-                took = time.perf_counter() - t0
+                with counting(engine) as counts:
+                    torch.cuda.synchronize() if device == "cuda" else None
+                    t0 = time.perf_counter()
+                    gens = engine.generate_turn(model, tok, start_episodes(tok, questions[:n], 0, step), proto)
+                    torch.cuda.synchronize() if device == "cuda" else None
+                    took = time.perf_counter() - t0
         tokens = sum(len(g.ids) for g in gens)
         out[name] = {"tok_s": tokens / took, "tokens": tokens, "s": took, "steps": counts["steps"],
                      "host_syncs_per_step": counts["syncs"] / counts["steps"],

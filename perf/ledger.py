@@ -234,7 +234,7 @@ def adamw_step(cfg, numels, dtype=torch.float32) -> dict:
 # Parameters, gradients and optimizer state by strategy; what lives outside torch's allocator
 
 WIKI18 = (21_015_324, 768)     # wiki-18 passages x E5 dims: the flat index the retriever server shards over the GPUs
-SERVER_GIB = {"temp": 0.5, "context": 0.5, "encoder": 0.5}  # the server's FAISS scratch (retriever.FAISS_TEMP), its
+SERVER_GIB = {"temp": 0.5, "context": 0.5, "encoder": 0.5}  # the server's FAISS scratch (dense.FAISS_TEMP), its
 #                                CUDA context on each GPU and E5 on the first: estimates (perf/gpucheck.py measures)
 CONTEXT_GIB = 1.5              # the training process's CUDA context, cuBLAS workspaces and NCCL buffers: estimate
 SLACK = 0.05                   # allocator: reserved but not allocated, with expandable segments: estimate

@@ -34,6 +34,7 @@ from perf import memtrack
 import protocol
 import sampler
 import train_twice as tt
+from infra import weights
 
 PROBE = dict(hidden_size=24, intermediate_size=48, num_attention_heads=3, num_key_value_heads=1,
              tie_word_embeddings=True, max_position_embeddings=8192)  # kv (b, 1, n, 8), hidden (.., 24): told apart
@@ -312,7 +313,6 @@ def phases(tracker, run, shapes, virtual=None):
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(run.method, "rollout", timed("rollout", run.method.rollout)))
         stack.enter_context(patched(run.method, "advantages", timed("twins", run.method.advantages)))
-        stack.enter_context(patched(tt, "twin_credit", timed("twins", tt.twin_credit)))
         stack.enter_context(patched(logprobs, "batch_logprobs", timed("logprobs", logprobs.batch_logprobs)))
         stack.enter_context(patched(tt, "ppo_update", timed("update", tt.ppo_update)))
         stack.enter_context(patched(run.opt, "step", timed("optimizer_step", run.opt.step)))
@@ -366,7 +366,7 @@ def make_run(cfg, dims, dtype, tok, rows, retriever, mixed="no", attention="sdpa
     n_micro = math.ceil(cfg.prompts_per_step * cfg.group_size // cfg.mini_batches / cfg.micro_batch_size)
     return tt.Run(accel, policy, ref, tok, retriever, opt, methods.make(cfg), credit.DiscordancePredictor(),
                   credit.DiscordancePredictor(features=forks.TOKEN_FEATURES),
-                  credit.RunningScale(cfg.scale_decay, cfg.twin_scale), rows, n_micro, tt.weight_norm(accel, policy))
+                  credit.RunningScale(cfg.scale_decay, cfg.twin_scale), rows, n_micro, weights.weight_norm(accel, policy))
 
 
 def run_steps(cfg, dims, dtype, script, steps=1, scale=None, block=1, mixed="no", threads=1, attention="sdpa",

@@ -2,10 +2,12 @@
 
 Search-R1's BM25 retriever is pyserini's LuceneSearcher (Java, Lucene): Anserini's default English analyzer and
 BM25 with k1 = 0.9, b = 0.4. This file gives the same model through the bm25s library (method "lucene") and
-PyStemmer. It knows terms and scores only: the index folder around it (meta.json, offsets.npy, the corpus, its rows,
-the cache) is retriever.py's, which imports this file (never the reverse) and picks BM25 from the folder's
-meta.json ("encoder": "bm25"), so every caller of `DenseRetriever` (the search CLI, retrieval/server.py, eval.py, training)
-gets BM25 from a BM25 folder unchanged.
+PyStemmer. It knows terms and scores: the folder around its files (offsets.npy, meta.json) has
+the format of retrieval/index.py, shared with dense folders, and the corpus rows and the cache are
+retriever.py's `Retriever`, which picks `BM25Index` from the folder's meta.json ("encoder": "bm25")
+where it picks retrieval/dense.py's `DenseIndex` otherwise. Both answer alike (an encoder, then
+`tops`), so every caller of `Retriever` (the search CLI, retrieval/server.py, eval.py, training)
+gets BM25 from a BM25 folder unchanged. It never imports retrieval/dense.py, nor retriever.py.
 
 Contract (DESIGN.md section 10)
 - Analyzer (`analyze`), Anserini's DefaultEnglishAnalyzer (Lucene StandardTokenizer, EnglishPossessiveFilter,
@@ -25,7 +27,7 @@ Contract (DESIGN.md section 10)
   (term, row) score matrix), vocab.index.json (term -> column, in order of first appearance: two builds of one
   corpus write identical bytes), params.index.json (k1, b, method, rows).
 
-Deviations from Search-R1's pyserini BM25 (README "Deviations"; tagged `# DEVIATION S<n>:` below)
+Deviations from Search-R1's pyserini BM25 (DESIGN.md section 13; tagged `# DEVIATION S<n>:` below)
 S17. The analyzer approximates Lucene's: `TOKEN` stands for the UAX#29 word rules of StandardTokenizer (CJK runs stay
      one token, no 255-character cut), and Lucene's PorterStemmer (Porter's reference code) is Snowball's Porter (the
      published algorithm) with the reference code's two extra rules applied to its stems (`_porter`): the same
@@ -38,7 +40,7 @@ S19. Every search returns min(k, N) rows, as the dense retriever does: when fewe
 S20. Only the first max_length (256) terms of a query are read, as the dense encoder reads 256 tokens; pyserini
      reads them all (and Lucene refuses a query of more than 1024 distinct terms).
 
-Commands (the folder is retriever.py's; serving: retrieval/server.py)
+Commands (building goes through retriever.py; serving: retrieval/server.py)
   python retriever.py build --corpus data/tinyworld/corpus.jsonl --encoder bm25 --out data/tinyworld/index_bm25
   python retriever.py search --index data/tinyworld/index_bm25 --topk 3 "who founded the city"
   python -m retrieval.server serve --index data/tinyworld/index_bm25 --port 8000
@@ -53,6 +55,10 @@ import threading
 import bm25s
 import numpy as np
 import Stemmer
+from tqdm import tqdm
+
+from retrieval.index import (MAX_LENGTH, _check_out_dir, _write_index_dir, corpus_fingerprint,
+                             iter_corpus)
 
 ENCODER = "bm25"  # meta.json's "encoder" of a BM25 folder: what the loader reads to pick this retriever
 K1, B = 0.9, 0.4  # pyserini's LuceneSearcher defaults (Search-R1's BM25 retriever sets neither)
@@ -131,6 +137,23 @@ def save(model, index_dir: str):
     model.save(os.path.join(index_dir, INDEX_DIR), show_progress=False)
 
 
+def build_index(corpus: str, out: str, max_length: int = MAX_LENGTH) -> dict:
+    """A BM25 folder: bm25s's files in bm25/, offsets.npy and meta.json as a dense folder's
+    (retrieval/index.py); returns the meta."""
+    out, offsets = _check_out_dir(out), array.array("q")
+
+    def texts():
+        for offset, row in iter_corpus(corpus):
+            offsets.append(offset)
+            yield row["contents"]
+    model, meta = build(tqdm(texts(), desc=f"analyze {corpus}", unit=" rows"), corpus)
+    meta |= {"max_length": max_length, "n_rows": len(offsets), "corpus": os.path.abspath(corpus),
+             "corpus_relative": os.path.relpath(os.path.abspath(corpus), out),
+             "corpus_fingerprint": corpus_fingerprint(corpus, len(offsets))}
+    _write_index_dir(out, meta, np.frombuffer(offsets, np.int64), lambda tmp: save(model, tmp))
+    return meta
+
+
 def top_rows(scores: np.ndarray, topk: int) -> tuple:
     """The min(topk, N) rows of highest score, ties to the lower row -> (rows, scores). O(N): a partition finds the
     k-th best score, then every row above it and the lowest rows equal to it are sorted."""
@@ -166,10 +189,11 @@ def _read_array(path: str, kind: str) -> np.ndarray:
 
 
 class BM25Index:
-    """The BM25 side of an index folder, in the two roles a dense folder gives its encoder and its vector index
-    (retriever.DenseRetriever): queries -> `query_features` (term ids; the server analyzes each request once, in its
-    own thread) -> `encode_tokens` -> `top` per query. Every file is checked against meta.json, each error naming
-    its file."""
+    """The BM25 side of an index folder, in the two roles of a dense folder's `DenseIndex`
+    (retrieval/dense.py): its own `encoder`, and the index that answers `tops`, as retriever.py's
+    `Retriever` asks: queries -> `query_features` (term ids; the server analyzes each request once,
+    in its own thread) -> `encode_tokens` -> `tops`. Every file is checked against meta.json, each
+    error naming its file."""
     device = "cpu"
 
     def __init__(self, path: str, meta: dict, meta_path: str):
@@ -222,6 +246,15 @@ class BM25Index:
         if kind != "query":
             raise ValueError(f"a BM25 index encodes queries only, got kind={kind!r}")
         return self.encode_tokens(self.query_features(texts))
+
+    @property
+    def encoder(self):
+        """Queries -> terms: this index itself (a dense folder's is its `Encoder`)."""
+        return self
+
+    def tops(self, vecs: np.ndarray, topk: int) -> list:
+        """(rows, scores) of each query's topk: its own terms (`encode_tokens`), searched alone."""
+        return [self.top(terms, topk) for terms in vecs]
 
     def top(self, terms: np.ndarray, topk: int) -> tuple:
         """(rows, scores) of one query's topk, ties to the lower row; the query's parts summed in its term order."""

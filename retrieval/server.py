@@ -1,53 +1,62 @@
-"""Search-R1 compatible retrieval server (Search-R1's retrieval_server.py) over retriever.py, and its load bench.
+"""Search-R1 compatible retrieval server (Search-R1's retrieval_server.py) over retriever.py.
 
-The server knows HTTP, request checks, rounds of queries and their threads; it knows nothing of encoders, FAISS or
-the corpus: every search is `DenseRetriever.search_batch` from retriever.py (a dense folder, or a BM25 one: retrieval/bm25.py),
-so an answer over HTTP equals an in-process search bit for bit (retriever.py, Determinism (1) and (2)). retriever.py
-never imports this file.
+The server knows HTTP, request checks, rounds of queries and their threads; it knows nothing of
+encoders, FAISS or the corpus: every search is `Retriever.search_batch` from retriever.py (a dense
+folder, retrieval/dense.py, or a BM25 one, retrieval/bm25.py), so an answer over HTTP equals an
+in-process search bit for bit (retrieval/dense.py, Determinism (1) and (2)). retriever.py never
+imports this file. Its load bench is perf/bench_server.py, which `bench` runs in a child process:
+this file never imports it, and defines only its flags (`add_bench_flags`), so that a bad one is
+refused before anything starts.
 
 Contract (DESIGN.md sections 3, 10 and 12; Search-R1 compatible)
 - POST /retrieve {"queries": [str, ...], "topk": k, "return_scores": bool}
   -> {"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...] per query]};
-  GET /health -> {"status": "ok", "n_rows": N}. As in Search-R1, "queries": [] answers {"result": []} and "" is a query
-  like any other. Served by uvicorn (as Search-R1); `--workers` encoder threads (default: CPU cores // torch threads,
-  1 on a GPU) each take a round of the waiting requests' queries (ROUND_TOKENS tokens), round-robin, SLICE_QUERIES
-  at a time, so concurrent requests share forwards and a huge one does not stall the rest. A request is tokenized
-  once, in its own thread and without a lock; the encoder threads get its tokens.
-- Load bench (`bench`): a server started in a child process (or the one at --url) gets `clients` threads of
-  `requests` requests of distinct queries each, then one big request with a 1-query request every 0.5 s beside it;
-  every answer is then checked against in-process search. Measured figures: RESULTS.md.
+  GET /health -> {"status": "ok", "n_rows": N}. As in Search-R1, "queries": [] answers
+  {"result": []} and "" is a query like any other. Served by uvicorn (as Search-R1); `--workers`
+  encoder threads (default: CPU cores // torch threads, 1 on a GPU) each take a round of the
+  waiting requests' queries (ROUND_TOKENS tokens), round-robin, SLICE_QUERIES at a time, so
+  concurrent requests share forwards and a huge one does not stall the rest. A request is
+  tokenized once, in its own thread and without a lock; the encoder threads get its tokens.
 
-Deviations from Search-R1 (README "Deviations"; tagged `# DEVIATION S<n>:` in the code; S1, S4, S14: retriever.py)
-S2. "return_scores": false (the default of Search-R1's schema) answers [{"document": {...}}, ...] per query, where
-   Search-R1's server crashes. "topk" defaults to 3 and must be in [1, 100]; a topk above the corpus size returns
-   every row (retriever.py S2).
+Deviations from Search-R1 (DESIGN.md section 13; tagged `# DEVIATION S<n>:` in the code; S1, S4,
+S14: retrieval/dense.py)
+S2. "return_scores": false (the default of Search-R1's schema) answers [{"document": {...}}, ...]
+   per query, where Search-R1's server crashes. "topk" defaults to 3 and must be in [1, 100]; a
+   topk above the corpus size returns every row (retrieval/dense.py S2).
 S3. Malformed requests get HTTP 400 {"error": "..."} naming the field (FastAPI: 422).
 Reliability deviations (DESIGN.md section 12)
-S10. At most MAX_QUERIES queries per request (400 naming the cap; --max_queries); Search-R1 has no cap.
-S11. A query that is not valid Unicode (a lone surrogate) is refused with 400 (retriever.py's `check_queries`);
-     Search-R1's server answers 500.
-S12. A request head must arrive within HEAD_TIMEOUT s and its body within BODY_TIMEOUT s (else closed / 408);
-     uvicorn alone waits for ever. JSON nested too deeply for the parser gets 400.
-S13. It listens on 127.0.0.1 unless --host 0.0.0.0 is given (Search-R1 always binds 0.0.0.0), and the encoder runs
-     in float32 unless --fp16 is given (Search-R1's launcher always uses fp16).
-S15. A query over MAX_QUERY_BYTES (16 KiB of UTF-8; --max_query_bytes) gets 400 naming it and the cap: only its first
-     256 tokens are read, but the tokenizer reads it whole. Search-R1 has no cap.
-S16. At most --max_connections connections are open (default: what the descriptor limit, ulimit -n, leaves); a new
-     one past that gets 503 and is closed at once, and out of descriptors, accepting pauses with one log line per
-     LOG_INTERVAL. A request whose client closes its connection before the answer is dropped from the queue.
-     Search-R1 (uvicorn alone) logs a traceback per failed accept and computes abandoned requests to the end.
-Every numeric flag is range-checked at startup (exit status 2, naming the flag), before the index is loaded.
+S10. At most MAX_QUERIES queries per request (400 naming the cap; --max_queries); Search-R1 has no
+     cap.
+S11. A query that is not valid Unicode (a lone surrogate) is refused with 400 (retriever.py's
+     `check_queries`); Search-R1's server answers 500.
+S12. A request head must arrive within HEAD_TIMEOUT s and its body within BODY_TIMEOUT s (else
+     closed / 408); uvicorn alone waits for ever. JSON nested too deeply for the parser gets 400.
+S13. It listens on 127.0.0.1 unless --host 0.0.0.0 is given (Search-R1 always binds 0.0.0.0), and
+     the encoder runs in float32 unless --fp16 is given (Search-R1's launcher always uses fp16).
+S15. A query over MAX_QUERY_BYTES (16 KiB of UTF-8; --max_query_bytes) gets 400 naming it and the
+     cap: only its first 256 tokens are read, but the tokenizer reads it whole. Search-R1 has no
+     cap.
+S16. At most --max_connections connections are open (default: what the descriptor limit, ulimit
+     -n, leaves); a new one past that gets 503 and is closed at once, and out of descriptors,
+     accepting pauses with one log line per LOG_INTERVAL. A request whose client closes its
+     connection before the answer is dropped from the queue. Search-R1 (uvicorn alone) logs a
+     traceback per failed accept and computes abandoned requests to the end.
+Every numeric flag is range-checked at startup (exit status 2, naming the flag), before the index
+is loaded.
 
 Commands (building an index: retriever.py)
   # tiny world (CPU)
   python -m retrieval.server serve --index data/tinyworld/index --port 8000
-  OMP_NUM_THREADS=1 python -m retrieval.server serve --index data/tinyworld/index  # CPU: a worker per core, 1 thread each
+  # CPU: a worker per core, 1 thread each
+  OMP_NUM_THREADS=1 python -m retrieval.server serve --index data/tinyworld/index
   # wiki-18 (folder from `retriever.py describe-prebuilt`), searched on the GPUs when there are any
   python -m retrieval.server serve --index data/wiki18/index --host 0.0.0.0 --port 8000 --fp16
-  # Search-R1's retrieval_launch.sh line, our script name substituted (the index file gets an index folder beside it)
-  python -m retrieval.server --index_path $file_path/e5_Flat.index --corpus_path $file_path/wiki-18.jsonl --topk 3 \
-      --retriever_name e5 --retriever_model intfloat/e5-base-v2 --faiss_gpu
-  # load test of a server on this machine (DESIGN.md section 12)
+  # Search-R1's retrieval_launch.sh line, our script name substituted (the index file gets an index
+  # folder beside it)
+  python -m retrieval.server --index_path $file_path/e5_Flat.index \
+      --corpus_path $file_path/wiki-18.jsonl --topk 3 --retriever_name e5 \
+      --retriever_model intfloat/e5-base-v2 --faiss_gpu
+  # load test of a server on this machine (DESIGN.md section 12): perf/bench_server.py
   python -m retrieval.server bench --index data/tinyworld/index
 """
 import argparse
@@ -66,8 +75,6 @@ import sys
 import threading
 import time
 
-import numpy as np
-import requests
 import torch
 import uvicorn
 from starlette.applications import Starlette
@@ -76,8 +83,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from retriever import (CACHE_BYTES, E5, MAX_QUERIES, MAX_QUERY_BYTES, PACK_TOKENS, TOPK, DenseRetriever, check_flags,
-                       check_queries, search_r1_index_dir)
+from retrieval.dense import PACK_TOKENS
+from retrieval.index import E5, search_r1_index_dir
+from retriever import (CACHE_BYTES, MAX_QUERIES, MAX_QUERY_BYTES, TOPK, Retriever, check_flags,
+                       check_queries)
 
 MAX_TOPK = 100  # largest topk the server accepts
 MAX_BODY_BYTES = 16 << 20  # largest request body the server reads
@@ -92,6 +101,9 @@ LOG_INTERVAL = 5.0  # seconds between two log lines of one kind (refused connect
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # accept errors asyncio pauses on
 ACCEPT_PAUSE = 1.0  # seconds asyncio stops accepting after one of them (asyncio.constants.ACCEPT_RETRY_DELAY)
 LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log (level warning): one stream for the server
+# --workers (serve's, and the bench's for the server it starts): its help, its range error's end
+WORKERS_HELP = "encoder threads of the server (default: CPU cores // torch threads; 1 on a GPU)"
+WORKERS_DEFAULT = " (omit it for the default: CPU cores // torch threads, 1 on a GPU)"
 
 
 # --- HTTP server (Search-R1's POST /retrieve) ---
@@ -534,7 +546,8 @@ def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None
           corpus=None, fp16: bool = False, faiss_gpu=None, cache_bytes: int = CACHE_BYTES, index_fp16: bool = False,
           **options):
     """Load the index and serve it until interrupted."""
-    retriever = DenseRetriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu, cache_bytes, index_fp16)
+    retriever = Retriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu, cache_bytes,
+                          index_fp16)
     with make_server(retriever, host, port, **options) as server:
         print(f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve",
               flush=True)
@@ -542,126 +555,27 @@ def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None
         server.serve_forever()  # uvicorn stops on Ctrl-C / SIGTERM
 
 
-# --- load test of a server (DESIGN.md section 12; figures in RESULTS.md) ---
+# --- command line: serve, or run the load bench (perf/bench_server.py) in a child process ---
 
-BENCH_WORDS = ("who founded the city river king painter ship festival language mountain when was born where is "
-               "capital of first second largest oldest famous author song film country which year did").split()
-
-
-def bench_queries(n: int, tag: str, seed: int = 0) -> list:
-    """n distinct agent-like queries of 2-10 words (a numbered tag keeps them distinct: no cache hit helps)."""
-    rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(BENCH_WORDS, rng.integers(2, 11))) + f" {tag}{i}" for i in range(n)]
-
-
-def _timed_post(url: str, queries: list, topk: int = TOPK) -> tuple:
-    start = time.perf_counter()
-    try:
-        answer = requests.post(url, json={"queries": queries, "topk": topk, "return_scores": True}, timeout=120)
-        result = answer.json()["result"] if answer.status_code == 200 else f"HTTP {answer.status_code}"
-    except (requests.RequestException, ValueError, KeyError) as e:
-        result = f"{type(e).__name__}: {e}"
-    return time.perf_counter() - start, result
+def add_bench_flags(parser: argparse.ArgumentParser):
+    """The load bench's flags: `bench` here checks them before anything starts, and
+    perf/bench_server.py, which this file never imports, parses them with this."""
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=40, help="per client")
+    parser.add_argument("--queries", type=int, default=4, help="distinct queries per request")
+    parser.add_argument("--big", type=int, default=3000, help="queries of the big request")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the server (OMP_NUM_THREADS)")
+    parser.add_argument("--index", default="data/tinyworld/index")
+    parser.add_argument("--url", default=None,
+                        help="measure this running server instead of starting one")
+    parser.add_argument("--workers", type=int, default=None, help=WORKERS_HELP)
+    parser.add_argument("--device", default="cpu", help="default: cuda if any, else cpu")
 
 
-def bench_load(url: str, clients: int, per_client: int, size: int) -> tuple:
-    """clients threads, each sending per_client requests of `size` distinct queries in turn -> (stats, sent)."""
-    sent = [bench_queries(size, f"c{c}r{r}q", seed=c * 1000 + r) for c in range(clients) for r in range(per_client)]
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        start = time.perf_counter()
-        lines = [pool.submit(lambda c: [_timed_post(url, q) for q in sent[c::clients]], c) for c in range(clients)]
-        answers = [None] * len(sent)
-        for c, line in enumerate(lines):
-            answers[c::clients] = line.result()
-        wall = time.perf_counter() - start
-    seconds = np.array([s for s, _ in answers])
-    errors = [r for _, r in answers if isinstance(r, str)]
-    stats = {"requests": len(sent), "errors": len(errors), "first_error": errors[:1],
-             "p50_ms": 1e3 * np.median(seconds), "p99_ms": 1e3 * np.percentile(seconds, 99),
-             "max_ms": 1e3 * seconds.max(), "wall_s": wall, "queries_per_s": len(sent) * size / wall}
-    return stats, list(zip(sent, [r for _, r in answers]))
-
-
-def bench_big(url: str, big: int, every: float = 0.5) -> tuple:
-    """One request of `big` distinct queries; meanwhile a 1-query request every `every` s -> (stats, sent)."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        queries = bench_queries(big, "big")
-        job, smalls = pool.submit(_timed_post, url, queries), []
-        while not job.done() or not smalls:  # one small request at least, however soon the big one is answered
-            time.sleep(every)
-            small = bench_queries(1, f"small{len(smalls)}q")
-            smalls.append((small, _timed_post(url, small)))
-        big_s, big_result = job.result()
-    small_s = [s for _, (s, _) in smalls]
-    stats = {"big_queries": big, "big_s": big_s, "small_requests": len(smalls), "small_max_s": max(small_s),
-             "small_median_s": float(np.median(small_s)),
-             "errors": sum(isinstance(r, str) for _, (_, r) in smalls) + isinstance(big_result, str)}
-    return stats, [(queries, big_result)] + [(q, r) for q, (_, r) in smalls]
-
-
-def bench_exactness(retriever, sent: list) -> int:
-    """How many answered queries differ from in-process search (ids, or scores by a single bit)."""
-    answered = [(query, docs) for queries, result in sent if not isinstance(result, str)
-                for query, docs in zip(queries, result)]
-    # one call: the batch cannot matter (retriever.py, Determinism (1))
-    wanted = retriever.search([query for query, _ in answered])
-    return sum([(d["document"]["id"], np.float64(d["score"]).tobytes()) for d in got]
-               != [(d["id"], np.float64(d["score"]).tobytes()) for d in want]
-               for (_, got), want in zip(answered, wanted))
-
-
-def _cpu_seconds(pid: int):
-    """CPU time (user + system) of a running process, from /proc; None where there is no /proc (or no such pid)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: int = 4, big: int = 3000,
-                 threads: int = 1, device: str = "cpu", url=None, workers=None) -> dict:
-    """Start `retrieval/server.py serve` in a child process on 127.0.0.1 (or use the server at `url`) and measure it; prints and
-    returns the figures. Exactness compares with retriever.py's in-process search."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `-m retrieval.server` imports from here
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
-           "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    command = [sys.executable, "-m", "retrieval.server", "serve", "--index", index_dir, "--port", str(port),
-               "--device", device] + (["--workers", str(workers)] if workers else [])
-    child = subprocess.Popen(command if url is None else ["true"], env=env)
-    measured = url is None  # the server's CPU time is read from its process: only one started here
-    url = url or f"http://127.0.0.1:{port}/retrieve"
-    try:
-        for _ in range(600):
-            try:
-                if requests.get(url.replace("/retrieve", "/health"), timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.2)
-        cpu = _cpu_seconds(child.pid) if measured else None
-        load, sent = bench_load(url, clients, per_client, size)
-        cpu = _cpu_seconds(child.pid) - cpu if cpu is not None else float("nan")  # nan: not our child, or no /proc
-        load["server_cpu_ms_per_query"] = 1e3 * cpu / (load["requests"] * size)
-        print(f"load: {clients} clients x {per_client} requests x {size} distinct queries: {load['errors']} errors, "
-              f"p50 {load['p50_ms']:.0f} ms, p99 {load['p99_ms']:.0f} ms, max {load['max_ms']:.0f} ms, "
-              f"{load['queries_per_s']:.0f} queries/s, server CPU {load['server_cpu_ms_per_query']:.1f} ms per "
-              f"query", flush=True)
-        interleave, sent_big = bench_big(url, big)
-        print(f"big request: {big} distinct queries in {interleave['big_s']:.1f} s; meanwhile "
-              f"{interleave['small_requests']} 1-query requests: max {interleave['small_max_s']:.2f} s, "
-              f"median {interleave['small_median_s']:.2f} s; {interleave['errors']} errors", flush=True)
-    finally:
-        child.terminate()
-        child.wait(timeout=60)
-    torch.set_num_threads(threads)
-    retriever = DenseRetriever(index_dir, device, cache_size=0)
-    differ = bench_exactness(retriever, sent + sent_big)
-    print(f"exactness: {differ} of {sum(len(q) for q, _ in sent + sent_big)} queries differ from in-process search")
-    return {"load": load, "interleave": interleave, "differ": differ}
+BENCH_RANGES = {"workers": (1, None, WORKERS_DEFAULT)}  # flag -> (lowest, highest, hint)
+BENCH_RANGES |= {name: (1, None, "") for name in ("clients", "requests", "queries", "big",
+                                                  "threads")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -682,23 +596,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     server.add_argument("--retriever_name", default="e5", help="Search-R1's: sets the prefixes of an index file")
     server.add_argument("--retriever_model", default=E5, help="Search-R1's: the encoder of an index file")
     server.add_argument("--faiss_gpu", action="store_true", help="Search-R1's: FAISS on the GPUs (default: if any)")
-    bench = sub.add_parser("bench", help="load test of a server started on 127.0.0.1 (DESIGN.md section 12)")
-    bench.add_argument("--clients", type=int, default=16)
-    bench.add_argument("--requests", type=int, default=40, help="per client")
-    bench.add_argument("--queries", type=int, default=4, help="distinct queries per request")
-    bench.add_argument("--big", type=int, default=3000, help="queries of the big request")
-    bench.add_argument("--threads", type=int, default=1, help="torch threads of the server (OMP_NUM_THREADS)")
-    bench.add_argument("--index", default="data/tinyworld/index")
-    bench.add_argument("--url", default=None, help="measure this running server instead of starting one")
-    for p in (server, bench):
-        p.add_argument("--workers", type=int, default=None,
-                       help="encoder threads of the server (default: CPU cores // torch threads; 1 on a GPU)")
+    bench = sub.add_parser("bench",
+                           help="load test of a server started on 127.0.0.1 (DESIGN.md section 12)")
+    add_bench_flags(bench)
+    server.add_argument("--workers", type=int, default=None, help=WORKERS_HELP)
     # --index_path / --corpus_path: Search-R1's names; an index file is accepted too
     server.add_argument("--index", "--index_path", dest="index", required=True)
     server.add_argument("--corpus", "--corpus_path", dest="corpus", default=None,
                         help="the corpus, if it moved since the build (required with an index file)")
-    for p in (server, bench):
-        p.add_argument("--device", default=None if p is not bench else "cpu", help="default: cuda if any, else cpu")
+    server.add_argument("--device", default=None, help="default: cuda if any, else cpu")
     server.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
     server.add_argument("--index_fp16", action="store_true", help="the index's GPU shards in float16, answers "
                         "certified exact (half the memory on each GPU beside training; DEVIATION S21)")
@@ -706,12 +612,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if argv and argv[0].startswith("--") and argv[0] != "--help":  # Search-R1's launch line names no subcommand
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
-    auto = " (omit it for the default: CPU cores // torch threads, 1 on a GPU)"
-    ranges = {"port": (0, 65535, ""), "topk": (1, MAX_TOPK, ""), "workers": (1, None, auto)}  # the rest: >= 0 or 1
+    ranges = {"port": (0, 65535, ""), "topk": (1, MAX_TOPK, ""),
+              "workers": (1, None, WORKERS_DEFAULT)}  # the rest: >= 0 or 1
     ranges |= {name: (0, None, "") for name in ("cache_size", "cache_bytes")}
-    ranges |= {name: (1, None, "") for name in ("max_queries", "max_query_bytes", "max_connections", "clients",
-                                                 "requests", "queries", "big", "threads")}
-    check_flags(parser, args, ranges)
+    ranges |= {name: (1, None, "")
+               for name in ("max_queries", "max_query_bytes", "max_connections")}
+    check_flags(parser, args, ranges | BENCH_RANGES)
     if args.command == "serve" and "bm25" in args.retriever_name.lower() and not os.path.isfile(
             os.path.join(args.index, "meta.json")):  # a pyserini (Lucene) index: Java's format, not read here
         parser.error(f"--retriever_name bm25: {args.index} is not an index folder of retriever.py; build a BM25 one "
@@ -721,11 +627,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def run_bench(argv: list):
+    """`bench`: perf/bench_server.py with these flags, in a child process (perf sits above this
+    file, which never imports it); its exit status is this process's."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `-m perf` imports here
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    status = subprocess.call([sys.executable, "-m", "perf.bench_server", *argv], env=env)
+    if status:
+        raise SystemExit(status)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.command == "bench":
-        bench_server(args.index, args.clients, args.requests, args.queries, args.big, args.threads, args.device,
-                     args.url, args.workers)
+        run_bench(argv[1:])
     else:
         index = search_r1_index_dir(args.index, args.corpus, args.retriever_model, args.retriever_name)
         corpus = None if index != args.index else args.corpus  # a described folder records its corpus

@@ -36,7 +36,7 @@ def world(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fresh(world):
-    retriever = R.DenseRetriever(world.index_dir, cache_size=0)
+    retriever = R.Retriever(world.index_dir, cache_size=0)
     yield retriever
     retriever.close()
 
@@ -44,7 +44,7 @@ def fresh(world):
 def folder_of(tmp_path, texts, name="index"):
     corpus = write_corpus(tmp_path / f"{name}.jsonl", [{"id": f"r{i}", "contents": t} for i, t in enumerate(texts)])
     R.build_index(corpus, "bm25", str(tmp_path / name))
-    return R.DenseRetriever(str(tmp_path / name), cache_size=0)
+    return R.Retriever(str(tmp_path / name), cache_size=0)
 
 
 # --- analyzer and score ---
@@ -236,21 +236,21 @@ def test_damaged_bm25_files_are_named(world, tmp_path, what, error, names, match
     shutil.copytree(world.index_dir, index_dir)
     paths = _damage(index_dir, what)
     with pytest.raises(error, match=match) as raised:
-        R.DenseRetriever(index_dir, corpus=world.corpus)
+        R.Retriever(index_dir, corpus=world.corpus)
     assert paths[names] in str(raised.value)
 
 
 def test_a_stale_corpus_is_refused_and_a_copied_world_reads_its_own(world, fresh, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(world.root, copy, ignore=shutil.ignore_patterns("again"))
-    retriever = R.DenseRetriever(str(copy / "index"), cache_size=0)
+    retriever = R.Retriever(str(copy / "index"), cache_size=0)
     assert retriever.corpus == str(copy / "corpus.jsonl")
     assert bits(retriever.search([NAME0, "a king"])) == bits(fresh.search([NAME0, "a king"]))
     retriever.close()
     with open(copy / "corpus.jsonl", "a") as f:
         f.write(json.dumps({"id": "new", "contents": "a new row"}) + "\n")
     with pytest.raises(ValueError, match=f"corpus {copy / 'corpus.jsonl'} does not match"):
-        R.DenseRetriever(str(copy / "index"))
+        R.Retriever(str(copy / "index"))
 
 
 def test_a_folder_on_read_only_storage_loads_and_writes_nothing(world, fresh, tmp_path, monkeypatch):
@@ -273,7 +273,7 @@ def test_a_folder_on_read_only_storage_loads_and_writes_nothing(world, fresh, tm
     for name in ("mkdir", "rename", "replace", "remove", "unlink"):
         real = getattr(os, name)
         monkeypatch.setattr(os, name, lambda path, *a, _real=real, **k: (refuse(path), _real(path, *a, **k))[1])
-    retriever = R.DenseRetriever(str(shelf / "index"), cache_size=0)
+    retriever = R.Retriever(str(shelf / "index"), cache_size=0)
     assert bits(retriever.search([NAME0, "a king", ""])) == bits(fresh.search([NAME0, "a king", ""]))
     retriever.close()
     monkeypatch.undo()

@@ -41,7 +41,7 @@ def new_run(out) -> str:
 def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder_and_a_dead_holder_frees_it(tmp_path):
     out = str(tmp_path / "run")
     holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {ROOT!r}); "
-                               f"import checkpoint; checkpoint.lock_out_dir({out!r}); print('held', flush=True); "
+                               f"from infra import checkpoint; checkpoint.lock_out_dir({out!r}); print('held', flush=True); "
                                "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

@@ -74,8 +74,8 @@ def test_the_cache_is_allocated_once_and_read_back_every_sync_every_steps(word_t
     eps = lambda step: rollout.start_episodes(word_tok, questions(40), 3, step)  # noqa: E731
     engine.generate_turn(model, word_tok, eps(0), proto)
     storage = engine._DECODERS[model]["cache"].k.data_ptr()
-    counts = bench_engine._reset()
-    gens = engine.generate_turn(model, word_tok, eps(1), proto)
+    with bench_engine.counting() as counts:
+        gens = engine.generate_turn(model, word_tok, eps(1), proto)
     assert [len(g.ids) for g in gens] == [30] * 40 and all(g.stop == "length" for g in gens)
     assert engine._DECODERS[model]["cache"].k.data_ptr() == storage
     # 5 waves of 8 rows x 30 steps (a wave's rows share every step): 2 read-backs a wave, after 16 and after 30 steps

@@ -18,7 +18,7 @@ from generation import engine
 from perf import gpucheck
 from generation import kvcache
 from perf import ledger
-from infra import lora
+from infra import lora, weights
 from perf import memprobe
 from perf import memtrack
 import rollout
@@ -186,11 +186,11 @@ def test_sampling_copy_is_bf16_tied_and_the_policy_itself_when_it_already_is():
                                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     model.forward = lambda *a, **k: None  # an instance attribute, as accelerate's autocast wrapper is
-    copy = tt.sampling_copy(model, torch.bfloat16)
+    copy = weights.sampling_copy(model, torch.bfloat16)
     assert copy is not model and all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
     assert copy.lm_head.weight is copy.model.embed_tokens.weight  # tied weights stay tied
     assert "forward" not in copy.__dict__ and all(p.dtype == torch.float32 for p in model.parameters())
-    assert tt.sampling_copy(model, None) is model and tt.sampling_copy(copy, torch.bfloat16) is copy
+    assert weights.sampling_copy(model, None) is model and weights.sampling_copy(copy, torch.bfloat16) is copy
 
 
 def test_stacked_values_keep_their_own_dtype():
@@ -204,7 +204,7 @@ def test_stacked_values_keep_their_own_dtype():
 def test_on_device_leaves_a_model_already_there_as_it_is():  # the move itself needs a GPU (perf/gpucheck.py)
     model = tiny_model(20, seed=2)
     before = [p.data_ptr() for p in model.parameters()]
-    with tt.on_device(model, "cpu") as same:
+    with weights.on_device(model, "cpu") as same:
         assert same is model and [p.data_ptr() for p in model.parameters()] == before
     assert [p.data_ptr() for p in model.parameters()] == before
 
@@ -213,7 +213,7 @@ def test_the_slot_cache_dies_with_free_cache_and_so_does_a_sampling_copy(word_to
     """The engine keeps a model's slot cache between calls, and its decoder refers back to the model: without
     free_cache neither the cache nor a sampling copy would ever die (train_step calls it once the twins are done)."""
     proto = Protocol(max_turns=1, max_new_tokens=6, gen_batch_size=4)
-    copy = tt.sampling_copy(word_model, torch.bfloat16)
+    copy = weights.sampling_copy(word_model, torch.bfloat16)
     rollout.run_episodes(copy, word_tok, FakeRetriever(), rollout.start_episodes(word_tok, questions(3), 1, 0), proto)
     cache, model = weakref.ref(engine._DECODERS[copy]["cache"]), weakref.ref(copy)
     assert cache().kv_dtype == torch.bfloat16  # sampled from bf16 weights outside autocast: a bf16 cache

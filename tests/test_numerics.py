@@ -23,18 +23,18 @@ def report_of(proc) -> dict:
 
 def test_a_fresh_process_is_pinned_whatever_its_environment_asked_for():
     hostile = dict(OMP_NUM_THREADS="2", MKL_CBWR="AVX512", ATEN_CPU_CAPABILITY="avx512", FAISS_SIMD_LEVEL="NONE")
-    proc = run(["-m", "infra.numerics", "--probe"], **hostile)
+    proc = run(["-m", "perf.probe"], **hostile)
     report = report_of(proc)
     assert report["in_force"] == {"cpu_capability": "AVX2", "threads": 1, "mkl_branch": "COMPATIBLE",
                                   "faiss_simd": "AVX2"}
     assert report["pins"] == numerics.PINS and proc.stdout.rstrip().endswith("pinned: no problem")
     for note in ("OMP_NUM_THREADS=2", "MKL_CBWR=AVX512", "ATEN_CPU_CAPABILITY=avx512", "FAISS_SIMD_LEVEL=NONE"):
         assert f"numerics: {note} replaced by the pinned value" in proc.stderr
-    assert report_of(run(["-m", "infra.numerics", "--probe"]))["probe"] == report["probe"]  # the same bits either way
+    assert report_of(run(["-m", "perf.probe"]))["probe"] == report["probe"]  # the same bits either way
 
 
 def test_torch_loaded_first_is_refused_or_with_allow_unpinned_warned():
-    code = "import torch, numerics; print(numerics.require('this check'))"
+    code = "import torch; from infra import numerics; print(numerics.require('this check'))"
     refused = run(["-c", code])
     assert refused.returncode == 1 and refused.stdout == ""
     assert "this check is not on pinned numerics" in refused.stderr
@@ -45,7 +45,7 @@ def test_torch_loaded_first_is_refused_or_with_allow_unpinned_warned():
 
 def test_the_checks_read_the_libraries_not_the_environment():
     """MKL_CBWR=AVX2 set after MKL has run changes nothing: the branch in force is still reported as it is."""
-    code = ("import numerics, torch, os; torch.ones(8, 8) @ torch.ones(8, 8); os.environ['MKL_CBWR'] = 'AVX2'; "
+    code = ("from infra import numerics; import torch, os; torch.ones(8, 8) @ torch.ones(8, 8); os.environ['MKL_CBWR'] = 'AVX2'; "
             "print(numerics.mkl_branch()); print(numerics.problems())")
     proc = run(["-c", code])
     assert proc.returncode == 0, proc.stderr

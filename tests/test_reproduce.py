@@ -23,6 +23,7 @@ import protocol
 from lab import report
 import retriever
 import train_twice as tt
+from retrieval.index import load_index_dir
 from retrieval.server import start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,7 +173,7 @@ def test_searchr1_resumes_an_interrupted_download_and_converts_everything(hub, t
     assert open(os.path.join(out, "e5_Flat.index"), "rb").read() == blob  # the parts, joined in order
     assert not os.path.exists(raw) or os.listdir(raw) == []  # parts and .gz go once converted
     assert not os.path.exists(os.path.join(out, "raw", data.SR1_CORPUS[0].replace("/", "__"), data.SR1_CORPUS[1]))
-    meta, offsets, corpus, index_path = retriever.load_index_dir(os.path.join(out, "index"))
+    meta, offsets, corpus, index_path = load_index_dir(os.path.join(out, "index"))
     assert (meta["n_rows"], meta["dim"], meta["encoder"]) == (len(FACTS), 16, "e5")
     assert index_path == os.path.abspath(os.path.join(out, "e5_Flat.index")) and len(offsets) == len(FACTS)
     assert manifest["rows"] == {**ROWS, "val": 14}
@@ -442,7 +443,7 @@ def test_one_training_step_with_qwen_bpe_and_the_3b_preset(hub, qwen_tiny, tmp_p
     manifest = data.prepare_searchr1(out, index="build", encoder="minilm", fetch=fake.fetch, info=fake.info,
                                      expected_rows=ROWS, val_per_source=1)
     assert manifest["outputs"]["index_file"] is None and "part_aa" not in {f for f, _ in fake.calls}
-    server, url = start_server(retriever.DenseRetriever(os.path.join(out, "index")))
+    server, url = start_server(retriever.Retriever(os.path.join(out, "index")))
     try:
         run = str(tmp_path / "run")
         cfg = tt.parse_config([os.path.join(ROOT, "configs", "qwen2.5-3b.cfg"), f"--model={qwen_dir}",

@@ -18,6 +18,8 @@ import torch
 
 import retriever as R
 from protocol import information_block
+from retrieval import dense as D
+from retrieval import index as I
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST = ("Amber Bronze Cedar Dusky Ember Frost Granite Hazel Ivory Jade Kestrel Linen Maple Nimbus Onyx Pearl Quartz "
@@ -90,7 +92,7 @@ def world(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dense(world):
-    retriever = R.DenseRetriever(world.index_dir, device="cpu")
+    retriever = R.Retriever(world.index_dir, device="cpu")
     yield retriever
     retriever.close()
 
@@ -98,7 +100,7 @@ def dense(world):
 @pytest.fixture(scope="module")
 def fresh(world):
     """No cache: every search really encodes and searches."""
-    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    retriever = R.Retriever(world.index_dir, device="cpu", cache_size=0)
     yield retriever
     retriever.close()
 
@@ -118,17 +120,17 @@ def test_format_docs_is_search_r1_passages2string():
 
 
 def test_encoder_names_and_prefixes():
-    assert os.path.exists(os.path.join(R.resolve_encoder("minilm"), "config.json"))
-    assert R.resolve_encoder("e5") == "intfloat/e5-base-v2"
-    assert R.resolve_encoder("/models/mine") == "/models/mine"
-    assert R.encoder_prefixes("e5") == R.encoder_prefixes("/models/e5-large-v2") == ("query: ", "passage: ")
-    assert R.encoder_prefixes("minilm") == R.encoder_prefixes("/tmp/abe5x/bert") == ("", "")
+    assert os.path.exists(os.path.join(I.resolve_encoder("minilm"), "config.json"))
+    assert I.resolve_encoder("e5") == "intfloat/e5-base-v2"
+    assert I.resolve_encoder("/models/mine") == "/models/mine"
+    assert I.encoder_prefixes("e5") == I.encoder_prefixes("/models/e5-large-v2") == ("query: ", "passage: ")
+    assert I.encoder_prefixes("minilm") == I.encoder_prefixes("/tmp/abe5x/bert") == ("", "")
 
 
 def test_encoder_matches_sentence_transformers(dense):
     from sentence_transformers import SentenceTransformer
     texts = [NAME0, "who is a river known since 1500", '"Dusky Citadel"\nDusky Citadel is a language.\nMore.']
-    reference = SentenceTransformer(R.resolve_encoder("minilm"), device="cpu").encode(texts, normalize_embeddings=True)
+    reference = SentenceTransformer(I.resolve_encoder("minilm"), device="cpu").encode(texts, normalize_embeddings=True)
     for kind in ("query", "passage"):
         vecs = dense.encoder.encode(texts, kind)
         assert vecs.dtype == np.float32 and vecs.shape == (3, 384)
@@ -169,20 +171,20 @@ def test_packed_query_embeddings_are_their_own(world, fresh):
     forward of BertModel up to float rounding; a query longer than PACK_TOKENS gets a pack of its own."""
     enc = fresh.encoder
     queries = queries_of_mixed_lengths(world.rows) + ["", "founded " * 150]  # 2 and 152 tokens; one truncated at 256
-    lengths = [len(ids) for ids in enc.tokenizer(queries, max_length=R.MAX_LENGTH, truncation=True)["input_ids"]]
-    assert enc.packed and min(lengths) == 2 and max(lengths) == R.MAX_LENGTH > R.PACK_TOKENS
+    lengths = [len(ids) for ids in enc.tokenizer(queries, max_length=I.MAX_LENGTH, truncation=True)["input_ids"]]
+    assert enc.packed and min(lengths) == 2 and max(lengths) == I.MAX_LENGTH > D.PACK_TOKENS
     together = enc.encode(queries, "query")
     order = np.random.default_rng(0).permutation(len(queries))
     assert (enc.encode([queries[i] for i in order], "query") == together[order]).all()
     assert all((enc.encode([q], "query")[0] == v).all() for q, v in zip(queries, together))
-    padded = enc.tokenizer(queries, max_length=R.MAX_LENGTH, truncation=True, padding=True, return_tensors="pt")
+    padded = enc.tokenizer(queries, max_length=I.MAX_LENGTH, truncation=True, padding=True, return_tensors="pt")
     np.testing.assert_allclose(together, enc._pool(padded), rtol=0, atol=2e-6)
 
 
 def test_pack_queries_fills_packs_longest_first():
-    assert R.pack_queries([5, 130, 3, 128, 60, 70, 2], 128) == [[1], [3], [5, 0, 2, 6], [4]]
+    assert D.pack_queries([5, 130, 3, 128, 60, 70, 2], 128) == [[1], [3], [5, 0, 2, 6], [4]]
     lengths = np.random.default_rng(1).integers(1, 40, 500).tolist()
-    packs = R.pack_queries(lengths, 128)
+    packs = D.pack_queries(lengths, 128)
     assert sorted(i for pack in packs for i in pack) == list(range(500))
     assert all(sum(lengths[i] for i in pack) <= 128 for pack in packs)
     assert len(packs) <= sum(lengths) // 128 + 2  # first-fit decreasing wastes at most a pack here
@@ -202,12 +204,12 @@ def test_exact_top_equals_fsum_of_every_row():
         plain = np.array([math.fsum(p) for p in products.tolist()])
         for topk in (1, 3, 20, 30):
             best = np.lexsort((rows, -plain))[:topk]
-            got_rows, got_scores = R.exact_top(rows, products, topk)
+            got_rows, got_scores = D.exact_top(rows, products, topk)
             assert got_rows.tolist() == rows[best].tolist() and got_scores.tobytes() == plain[best].tobytes()
 
 
 def test_cache_hits_misses_and_eviction(world):
-    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=2)
+    retriever = R.Retriever(world.index_dir, device="cpu", cache_size=2)
     first = retriever.search([NAME0, "a river", NAME0])  # duplicates in a batch are encoded once
     assert (retriever.cache_hits, retriever.cache_misses) == (0, 2) and first[0] == first[2]
     first[0][0]["id"] = "mutated by the caller"
@@ -288,12 +290,12 @@ def test_stale_index_is_refused(world, tmp_path, breakage, error, match):
         index.add(np.eye(rows, dim, dtype=np.float32))
         faiss.write_index(index, os.path.join(index_dir, "index.faiss"))
     with pytest.raises(error, match=match):
-        R.DenseRetriever(index_dir, device="cpu", corpus=corpus)
+        R.Retriever(index_dir, device="cpu", corpus=corpus)
 
 
 def test_moved_corpus_is_accepted_when_identical(world, fresh, tmp_path):
     moved = shutil.copy(world.corpus, tmp_path / "moved.jsonl")
-    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0, corpus=str(moved))
+    retriever = R.Retriever(world.index_dir, device="cpu", cache_size=0, corpus=str(moved))
     assert bits(retriever.search(["a king", NAME0])) == bits(fresh.search(["a king", NAME0]))
     retriever.close()
 
@@ -304,7 +306,7 @@ def test_bad_corpus_row_names_file_and_line(tmp_path, line):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"id": 0, "contents": "\\"A\\"\\na"}\n\n' + line + "\n")  # line 2 is blank, line 3 is bad
     with pytest.raises(ValueError, match=f"{path}:3: "):
-        list(R.iter_corpus(str(path)))
+        list(I.iter_corpus(str(path)))
 
 
 def test_build_reports_bad_row_and_refuses_foreign_folder(tmp_path):
@@ -326,12 +328,12 @@ def test_describe_prebuilt_round_trip(world, fresh, tmp_path):
     index.add(vectors)
     faiss.write_index(index, index_file)
     out = str(tmp_path / "described")
-    meta = R.describe_prebuilt(index_file, world.corpus, out_dir=out)  # the E5 default: prefixes recorded
-    assert (meta["encoder"], meta["query_prefix"], meta["passage_prefix"]) == (R.E5, "query: ", "passage: ")
-    meta = R.describe_prebuilt(index_file, world.corpus, "minilm", out_dir=out)  # replaces the folder
+    meta = I.describe_prebuilt(index_file, world.corpus, out_dir=out)  # the E5 default: prefixes recorded
+    assert (meta["encoder"], meta["query_prefix"], meta["passage_prefix"]) == (I.E5, "query: ", "passage: ")
+    meta = I.describe_prebuilt(index_file, world.corpus, "minilm", out_dir=out)  # replaces the folder
     assert meta["index_file"] == index_file and meta["n_rows"] == 50 and meta["query_prefix"] == ""
     assert sorted(os.listdir(out)) == ["meta.json", "offsets.npy"]
-    retriever = R.DenseRetriever(out, device="cpu", cache_size=0)
+    retriever = R.Retriever(out, device="cpu", cache_size=0)
     queries = [NAME0, "a ship known since 1600", "who is a king"]
     assert bits(retriever.search(queries, topk=5)) == bits(fresh.search(queries, topk=5))
     retriever.close()
@@ -339,7 +341,7 @@ def test_describe_prebuilt_round_trip(world, fresh, tmp_path):
     small.add(vectors[:49])
     faiss.write_index(small, index_file)
     with pytest.raises(ValueError, match="holds 49 vectors but .* has 50 rows"):
-        R.describe_prebuilt(index_file, world.corpus, "minilm", out_dir=str(tmp_path / "other"))
+        I.describe_prebuilt(index_file, world.corpus, "minilm", out_dir=str(tmp_path / "other"))
 
 
 # --- client (the server's side: tests/test_server.py) ---
@@ -388,7 +390,7 @@ def test_cli_build_and_search(world, tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_gpu_matches_cpu_and_is_batch_independent(world, fresh):
-    gpu = R.DenseRetriever(world.index_dir, device="cuda", cache_size=0)
+    gpu = R.Retriever(world.index_dir, device="cuda", cache_size=0)
     queries = queries_of_mixed_lengths(world.rows)
     alone = bits([gpu.search([q])[0] for q in queries])
     assert bits(gpu.search(queries)) == alone
@@ -411,10 +413,10 @@ def test_query_features_are_the_tokenizer_call(fresh):
 
 
 def test_cache_is_bounded_in_bytes(world):
-    probe = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    probe = R.Retriever(world.index_dir, device="cpu", cache_size=0)
     one = R._bytes(("a king", 3), probe.search(["a king"])[0])
     probe.close()
-    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_bytes=int(2.5 * one))
+    retriever = R.Retriever(world.index_dir, device="cpu", cache_bytes=int(2.5 * one))
     retriever.search(["a king"])
     retriever.search(["a ship"])
     retriever.search(["a king"])  # most recent now; "a ship" goes first
@@ -464,7 +466,7 @@ def test_damaged_index_files_are_named(world, tmp_path, what, names, match):
     shutil.copytree(world.index_dir, index_dir)
     meta_path, offsets_path = _damage(index_dir, what)
     with pytest.raises(ValueError, match=match) as error:
-        R.DenseRetriever(index_dir, device="cpu", corpus=world.corpus)
+        R.Retriever(index_dir, device="cpu", corpus=world.corpus)
     assert (meta_path if names == "meta" else offsets_path) in str(error.value)
 
 
@@ -473,21 +475,21 @@ def test_a_copied_world_reads_its_own_corpus(world, fresh, tmp_path):
     it exists, so a copy reads its own corpus (an edited copy is refused) while the original still exists."""
     copy = tmp_path / "copy"
     shutil.copytree(world.root, copy, ignore=shutil.ignore_patterns("described*"))
-    retriever = R.DenseRetriever(str(copy / "index"), device="cpu", cache_size=0)
+    retriever = R.Retriever(str(copy / "index"), device="cpu", cache_size=0)
     assert retriever.corpus == str(copy / "corpus.jsonl")
     assert bits(retriever.search([NAME0, "a king"])) == bits(fresh.search([NAME0, "a king"]))
     retriever.close()
     _edit_row(world.corpus, copy / "corpus.jsonl")
     with pytest.raises(ValueError, match=f"corpus {copy / 'corpus.jsonl'} does not match"):
-        R.DenseRetriever(str(copy / "index"), device="cpu")
+        R.Retriever(str(copy / "index"), device="cpu")
     meta = json.load(open(copy / "index" / "meta.json"))
     assert meta["corpus"] == world.corpus and meta["corpus_relative"] == "../corpus.jsonl"  # what builds record
     json.dump({**meta, "corpus": "../corpus.jsonl"}, open(copy / "index" / "meta.json", "w"))
     with pytest.raises(ValueError, match=f"corpus {copy / 'corpus.jsonl'} does not match"):  # stored relative
-        R.DenseRetriever(str(copy / "index"), device="cpu")
+        R.Retriever(str(copy / "index"), device="cpu")
     meta.pop("corpus_relative")  # a meta.json from before corpus_relative: the absolute path, as it always was
     json.dump(meta, open(copy / "index" / "meta.json", "w"))
-    retriever = R.DenseRetriever(str(copy / "index"), device="cpu", cache_size=0)
+    retriever = R.Retriever(str(copy / "index"), device="cpu", cache_size=0)
     assert retriever.corpus == world.corpus
     retriever.close()
 
@@ -514,15 +516,15 @@ def test_an_index_file_on_read_only_storage_gets_its_folder_in_the_cache(world, 
         monkeypatch.setattr(os, name, guarded(call))
     monkeypatch.setenv("TWICE_CACHE", str(tmp_path / "cache"))
     try:
-        out = R.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm")
+        out = I.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm")
         assert out.startswith(str(tmp_path / "cache")) and sorted(os.listdir(shelf)) == ["e5_Flat.index"]
-        assert R.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm") == out  # reused
-        retriever = R.DenseRetriever(out, device="cpu", cache_size=0)
+        assert I.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm") == out  # reused
+        retriever = R.Retriever(out, device="cpu", cache_size=0)
         assert bits(retriever.search([NAME0, "a king"])) == bits(fresh.search([NAME0, "a king"]))
         retriever.close()
         monkeypatch.setenv("TWICE_CACHE", str(shelf / "cache"))  # nowhere to write: say where it needs to
         with pytest.raises(OSError, match=r"needs an index folder .*e5_Flat\.index\.twice \(.*Read-only.*TWICE_CACHE"):
-            R.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm")
+            I.search_r1_index_dir(index_file, world.corpus, "minilm", "minilm")
     finally:
         shelf.chmod(0o755)
 
@@ -530,9 +532,9 @@ def test_an_index_file_on_read_only_storage_gets_its_folder_in_the_cache(world, 
 def test_a_float16_index_answers_as_the_float32_index(world, fresh, monkeypatch):
     """DEVIATION S21: float16 candidates, certified or searched again with more, give the float32 index's answers to
     the bit; with no candidate margin and a bound 1000 times too wide every query is searched again, same answers."""
-    half = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0, index_fp16=True)
+    half = R.Retriever(world.index_dir, device="cpu", cache_size=0, index_fp16=True)
     queries = queries_of_mixed_lengths(world.rows)
-    assert half.error > 0 and bits(half.search(queries, topk=3)) == bits(fresh.search(queries, topk=3))
+    assert half.index.error > 0 and bits(half.search(queries, topk=3)) == bits(fresh.search(queries, topk=3))
 
     class Counting:
         def __init__(self, index):
@@ -541,8 +543,8 @@ def test_a_float16_index_answers_as_the_float32_index(world, fresh, monkeypatch)
         def search(self, vecs, k):
             self.calls += 1
             return self.index.search(vecs, k)
-    monkeypatch.setattr(R, "CANDIDATE_MARGIN", 0)
-    half.error, half.index = half.error * 1000, Counting(half.index)
+    monkeypatch.setattr(D, "CANDIDATE_MARGIN", 0)
+    half.index.error, half.index.index = half.index.error * 1000, Counting(half.index.index)
     assert bits(half.search(queries, topk=3)) == bits(fresh.search(queries, topk=3))
-    assert half.index.calls > len(queries)  # the batch's search, then searches again
+    assert half.index.index.calls > len(queries)  # the batch's search, then searches again
     half.close()

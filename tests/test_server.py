@@ -1,5 +1,5 @@
-"""Tests for retrieval/server.py (the Search-R1 compatible HTTP server and its load bench) over test_retriever.py's 50-row
-MiniLM index (CPU, offline), and for RemoteRetriever against it."""
+"""Tests for retrieval/server.py (the Search-R1 compatible HTTP server) and its load bench (perf/bench_server.py) over
+test_retriever.py's 50-row MiniLM index (CPU, offline), and for RemoteRetriever against it."""
 import ast
 import asyncio
 import concurrent.futures
@@ -22,6 +22,8 @@ import pytest
 import requests
 
 import retriever as R
+from perf import bench_server as B
+from retrieval import index as I
 from retrieval import server as S
 from test_retriever import KINDS, NAME0, ROOT, bits, dense, fresh, one_thread, world  # noqa: F401
 
@@ -206,7 +208,7 @@ def test_search_r1_launch_line(world, fresh, tmp_path):
         child.terminate()
         child.wait(timeout=60)
     assert os.path.exists(index_file + ".twice/meta.json")
-    assert R.search_r1_prefixes("e5") == ("query: ", "passage: ") and R.search_r1_prefixes("bge")[1] == ""
+    assert I.search_r1_prefixes("e5") == ("query: ", "passage: ") and I.search_r1_prefixes("bge")[1] == ""
     with pytest.raises(SystemExit):
         S.parse_args(["--index_path", index_file, "--retriever_name", "bm25"])
 
@@ -217,7 +219,7 @@ def test_a_bm25_folder_is_served_like_a_dense_one(world, tmp_path, capsys):
     is refused naming the command that builds ours."""
     index, port = str(tmp_path / "bm25"), free_port()
     R.build_index(world.corpus, "bm25", index)
-    retriever = R.DenseRetriever(index, cache_size=0)
+    retriever = R.Retriever(index, cache_size=0)
     queries = [NAME0, "a king", "", "river " * 300, "Zorvak's unknown words"]
     line = ["--index_path", index, "--retriever_name", "bm25", "--topk", "4", "--port", str(port)]
     child = subprocess.Popen([sys.executable, "-m", "retrieval.server", *line],
@@ -255,7 +257,7 @@ def test_serve_freezes_the_loaded_heap(monkeypatch):
         def serve_forever(self):
             seen["frozen"] = gc.get_freeze_count()
 
-    monkeypatch.setattr(S, "DenseRetriever", lambda *args: SimpleNamespace(n_rows=1))
+    monkeypatch.setattr(S, "Retriever", lambda *args: SimpleNamespace(n_rows=1))
     monkeypatch.setattr(S, "make_server", lambda *args, **options: Server())
     assert gc.get_freeze_count() == 0
     try:
@@ -268,7 +270,7 @@ def test_serve_freezes_the_loaded_heap(monkeypatch):
 def test_bench_server_measures_a_child_server(world):
     """`retrieval/server.py bench`, scaled down: it starts a server, loads it, and checks every answer against
     in-process search; the server's CPU time is read from its process."""
-    figures = S.bench_server(world.index_dir, clients=3, per_client=2, size=2, big=40)
+    figures = B.bench_server(world.index_dir, clients=3, per_client=2, size=2, big=40)
     load = figures["load"]
     assert (load["requests"], load["errors"], figures["interleave"]["errors"], figures["differ"]) == (6, 0, 0, 0)
     assert 0 < load["p50_ms"] <= load["p99_ms"] <= load["max_ms"] and load["server_cpu_ms_per_query"] > 0
@@ -347,32 +349,32 @@ def test_batcher_workers_share_rounds_and_finish_out_of_order():
 
 
 def test_big_request_does_not_stall_small_ones(world):
-    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    retriever = R.Retriever(world.index_dir, device="cpu", cache_size=0)
     server, url = S.start_server(retriever)
     # the big request must outlast the 0.3 s head start by far on any CPU: sized from a timed in-process batch
     start = time.perf_counter()
-    retriever.search(S.bench_queries(64, "calibrate"), topk=3)
+    retriever.search(B.bench_queries(64, "calibrate"), topk=3)
     per_query = (time.perf_counter() - start) / 64
-    big = S.bench_queries(int(min(5000, max(240, 2.0 / per_query))), "big")  # ~2 s of encoding
+    big = B.bench_queries(int(min(5000, max(240, 2.0 / per_query))), "big")  # ~2 s of encoding
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            job = pool.submit(S._timed_post, url, big)
+            job = pool.submit(B._timed_post, url, big)
             time.sleep(0.3)
-            small_s, small = S._timed_post(url, [NAME0])
+            small_s, small = B._timed_post(url, [NAME0])
             small_done_first = not job.done()
             big_s, big_result = job.result()
     finally:
         server.shutdown()
         server.server_close()
     assert small_done_first and small_s < big_s / 2, (small_s, big_s)
-    assert S.bench_exactness(retriever, [(big, big_result), ([NAME0], small)]) == 0
+    assert B.bench_exactness(retriever, [(big, big_result), ([NAME0], small)]) == 0
     retriever.close()
 
 
 def test_concurrent_load_and_connection_burst(world, fresh, url):
     """16 clients x 4 requests of 4 queries, then 64 connections opened at once: all answered, none waits 1 s."""
-    stats, sent = S.bench_load(url, clients=16, per_client=4, size=4)
-    assert stats["errors"] == 0 and S.bench_exactness(fresh, sent) == 0
+    stats, sent = B.bench_load(url, clients=16, per_client=4, size=4)
+    assert stats["errors"] == 0 and B.bench_exactness(fresh, sent) == 0
     host, port = url.split("//")[1].split("/")[0].split(":")
     barrier, body = threading.Barrier(64), json.dumps({"queries": [NAME0]}).encode()
 
@@ -485,7 +487,7 @@ def test_queries_past_the_byte_cap_get_400_naming_them(dense):
 def test_requests_are_tokenized_once_without_the_tokenizer_lock(world, fresh):
     """A request's queries used to be tokenized twice under one lock (for the rounds' costs, then to encode), so one
     request of long queries held every other request up. Now once, in the request's thread, with no lock."""
-    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    retriever = R.Retriever(world.index_dir, device="cpu", cache_size=0)
     queries, body = [NAME0, "a king", "founded " * 400 + "the city"], {"topk": 3, "return_scores": True}
     server, url = S.start_server(retriever)
     try:
@@ -510,7 +512,7 @@ def test_requests_are_tokenized_once_without_the_tokenizer_lock(world, fresh):
 
 def test_a_request_whose_client_left_is_not_computed(world):
     """A request still queued when its client disconnects is dropped: its queries never reach the encoder."""
-    retriever = R.DenseRetriever(world.index_dir, device="cpu", cache_size=0)
+    retriever = R.Retriever(world.index_dir, device="cpu", cache_size=0)
     searched, gate, search = [], threading.Event(), retriever.search_batch
 
     def recording(items, *rest):

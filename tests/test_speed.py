@@ -8,6 +8,7 @@ from test_rollout import FakeRetriever, one_thread, questions, tiny_model, word_
 
 from perf import bench
 from generation import engine
+from perf import bench_engine
 import eval as qa_eval
 from generation import logprobs
 import rollout
@@ -70,17 +71,17 @@ def run_both(word_tok, word_model, proto_kw, n=8, group=3):  # noqa: F811
     out = {}
     for kind in ("generate", "cached"):
         proto = Protocol(engine=kind, **proto_kw)
-        engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
-        eps = rollout.run_episodes(word_model, word_tok, FakeRetriever(),
-                                   rollout.start_episodes(word_tok, questions(n), 4, 2, group), proto)
-        requests = [(ep, t, j) for ep in eps for t in range(len(ep.turns)) for j in range(2)]
-        twins = rollout.run_twins(word_model, word_tok, FakeRetriever(), requests, proto)
-        free = rollout.run_twins(word_model, word_tok, FakeRetriever(), requests[::3], proto, coupling=False)
-        ep = max(eps, key=lambda e: len(e.turns))
-        mc = rollout.continue_from(word_model, word_tok, FakeRetriever(),
-                                   [(ep, 1, inc, sampler.fresh_key(ep.key, 9, k)) for inc in (0, 1) for k in range(2)],
-                                   proto)
-        out[kind] = (eps + [r.twin for r in twins + free] + mc, [r.kind for r in twins + free], dict(engine.COUNTS))
+        with bench_engine.counting() as counts:
+            eps = rollout.run_episodes(word_model, word_tok, FakeRetriever(),
+                                       rollout.start_episodes(word_tok, questions(n), 4, 2, group), proto)
+            requests = [(ep, t, j) for ep in eps for t in range(len(ep.turns)) for j in range(2)]
+            twins = rollout.run_twins(word_model, word_tok, FakeRetriever(), requests, proto)
+            free = rollout.run_twins(word_model, word_tok, FakeRetriever(), requests[::3], proto, coupling=False)
+            ep = max(eps, key=lambda e: len(e.turns))
+            mc = rollout.continue_from(word_model, word_tok, FakeRetriever(),
+                                       [(ep, 1, inc, sampler.fresh_key(ep.key, 9, k)) for inc in (0, 1)
+                                        for k in range(2)], proto)
+        out[kind] = (eps + [r.twin for r in twins + free] + mc, [r.kind for r in twins + free], dict(counts))
     return out
 
 
@@ -105,11 +106,11 @@ def test_cached_engine_samples_the_plain_paths_episodes(word_tok, word_model, ba
 
 def test_cached_engine_prefills_a_shared_prompt_once(word_tok, word_model):  # noqa: F811
     proto = Protocol(max_turns=0, max_new_tokens=1)
-    engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
     eps = rollout.start_episodes(word_tok, questions(1), 0, 0, group_size=5)
-    engine.generate_turn(word_model, word_tok, eps, proto)
+    with bench_engine.counting() as counts:
+        engine.generate_turn(word_model, word_tok, eps, proto)
     # the prompt once, and its last token once for all five rows (identical sequences share a physical row)
-    assert engine.COUNTS["positions"] == len(eps[0].prompt_ids) and engine.COUNTS["row_steps"] == 5
+    assert counts["positions"] == len(eps[0].prompt_ids) and counts["row_steps"] == 5
     assert len({id(ep._kv.kv[0][0]) for ep in eps}) == 5  # each row's own cache after its turn
 
 
@@ -118,10 +119,10 @@ def test_twins_read_repeated_tokens_off_the_parent_cache(word_tok, word_model): 
     proto = Protocol(max_turns=1, max_new_tokens=6, temperature=0.05)  # near-greedy: alternatives repeat
     eps = rollout.run_episodes(word_model, word_tok, FakeRetriever(),
                                rollout.start_episodes(word_tok, questions(4), 0, 0), proto)
-    engine.COUNTS.update(positions=0, padding=0, row_steps=0, tokens=0, head_only=0)
-    results = rollout.run_twins(word_model, word_tok, FakeRetriever(), [(ep, 0, 0) for ep in eps], proto)
+    with bench_engine.counting() as counts:
+        results = rollout.run_twins(word_model, word_tok, FakeRetriever(), [(ep, 0, 0) for ep in eps], proto)
     selfs = [r for r in results if r.kind == "self"]
-    assert selfs and engine.COUNTS["head_only"] >= sum(r.tokens for r in selfs)
+    assert selfs and counts["head_only"] >= sum(r.tokens for r in selfs)
 
 
 def test_bench_gpu_runs_at_a_tiny_size(tiny_world, capsys):

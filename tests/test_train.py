@@ -142,7 +142,7 @@ def test_a_run_on_a_bm25_index_gets_its_hits(tmp_path, monkeypatch):
     searches = [(protocol.parse_action(t["text"])[1][:protocol.Protocol().max_query_chars], t["doc_ids"])
                 for t in turns if t["doc_ids"]]
     assert len(searches) >= 5
-    bm25, dense = retriever.DenseRetriever(index), retriever.DenseRetriever(os.path.join(tiny, "index"))
+    bm25, dense = retriever.Retriever(index), retriever.Retriever(os.path.join(tiny, "index"))
     queries = [query for query, _ in searches]
     assert [ids for _, ids in searches] == [[d["id"] for d in docs] for docs in bm25.search(queries, 3)]
     assert [ids for _, ids in searches] != [[d["id"] for d in docs] for docs in dense.search(queries, 3)]
@@ -486,6 +486,7 @@ def test_token_unit_credits_the_fork_token_alone(tiny_world, monkeypatch):
     import eval as qa_eval
     import forks
     import methods
+    import twice
     cfg = tiny_cfg(tiny_world, "unused", "--twin_unit=token", "--twin_budget=0.5", "--omega=2")
     policy, tok = qa_eval.load_policy(cfg.model)
     run = SimpleNamespace(accel=SimpleNamespace(num_processes=1, unwrap_model=lambda m: m), policy=policy, tok=tok,
@@ -508,7 +509,7 @@ def test_token_unit_credits_the_fork_token_alone(tiny_world, monkeypatch):
         return out
     monkeypatch.setattr(rollout, "run_twins", forced)
     batch = rollout.collate(eps, tok.pad_token_id)
-    adv, stats = tt.twin_credit(cfg, run, 0, eps, batch, proto)
+    adv, stats = twice.token_twin_credit(cfg, run, 0, eps, batch, proto)
     a_traj = run.method.trajectory_advantages(eps)
     decisions = rollout.decision_table(eps, np.array([e.reward for e in eps]).reshape(-1, 3).mean(1).repeat(3))
     table = forks.token_table(eps, decisions, tok)

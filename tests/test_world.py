@@ -31,7 +31,7 @@ def built(world_dir):
         blob = json.load(f)
     tok = AutoTokenizer.from_pretrained(os.path.join(world_dir, "policy"))
     model = AutoModelForCausalLM.from_pretrained(os.path.join(world_dir, "policy"))
-    retr = retriever.DenseRetriever(os.path.join(world_dir, "index"))
+    retr = retriever.Retriever(os.path.join(world_dir, "index"))
     names = world_base.entity_names(blob["world"])
     top = dict(zip(names, retr.search(names, topk=world_base.TOPK)))
     return {"world": blob["world"], "stats": blob["stats"], "tok": tok, "model": model, "retr": retr, "top": top}

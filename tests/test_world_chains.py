@@ -27,7 +27,7 @@ def built(world_dir):
     import retriever
     with open(os.path.join(world_dir, "world.json")) as f:
         blob = json.load(f)
-    retr = retriever.DenseRetriever(os.path.join(world_dir, "index"))
+    retr = retriever.Retriever(os.path.join(world_dir, "index"))
     names = world_base.entity_names(blob["world"])
     top = dict(zip(names, retr.search(names, topk=world_base.TOPK)))
     rows = {s: [r for _, r in read_jsonl(os.path.join(world_dir, f"{s}.jsonl"))] for s in ("train", "test")}

@@ -17,7 +17,7 @@ atomically (a temporary folder, world.json last, then a rename):
 The builder knows no world: entities, questions, scripts, BC token weights and statistics are the preset's
 (PRESETS); the pieces both worlds share are worlds/base.py's.
 
-Deviations (README "Deviations"):
+Deviations (DESIGN.md section 13):
 W1. Tokenizer: word-level instead of Qwen2.5's BPE, so that a ~1M-parameter model can copy names; the chat
    template is ChatML without Qwen's default system message (fewer prompt tokens).
 W2. The behaviour-cloning forward pass computes the shared prompt prefix (chat header + instruction) once per
@@ -100,7 +100,7 @@ def fix_retrieval(world, preset, work_dir, seed, max_rounds=6):
         shutil.rmtree(index_dir, ignore_errors=True)
         retriever.build_index(os.path.join(work_dir, "corpus.jsonl"), "minilm", index_dir)
         names = entity_names(world)
-        retr = retriever.DenseRetriever(index_dir)
+        retr = retriever.Retriever(index_dir)
         results = retr.search(names, topk=TOPK)
         failed = [n for n, docs in zip(names, results) if doc_title(docs[0]) != n]
         report["rounds"] = rnd + 1

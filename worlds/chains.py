@@ -17,7 +17,7 @@ late. Same generator, formats and code paths as the tiny world (worlds/tiny.py).
 This file knows the chains world's entities, questions, scripts and statistics; the index, the tokenizer, behaviour
 cloning and the folder it is built into are worlds/build.py's.
 
-Deviations (README "Deviations"):
+Deviations (DESIGN.md section 13):
 W10. The paper's turns think in free text of hundreds of tokens; ours draw 1-3 of 12 fixed, information-free
    sentences (+ what was read and what is needed), so turns are long and of varying length but their reasoning is
    not real: only the action and the names copied into the think block carry a decision.
@@ -380,7 +380,7 @@ def stop_calibration(world_dir: str, split: str = "test", seed: int = 0) -> dict
     if world.get("preset") != "chains":
         raise ValueError(f"{world_dir}/world.json: not a chains world (preset {world.get('preset')!r})")
     model, tok = load_policy(os.path.join(world_dir, "policy"))
-    retr = retriever.DenseRetriever(os.path.join(world_dir, "index"))
+    retr = retriever.Retriever(os.path.join(world_dir, "index"))
     top = dict(zip(entity_names(world), retr.search(entity_names(world), topk=TOPK)))
     so, nxt = tok.convert_tokens_to_ids("\u0120So"), tok.convert_tokens_to_ids("\u0120Next")
     script = {"bridge": CHAIN_PROBS["bridge"]["answer_early"], "last_bridge": CHAIN_PROBS["last_bridge"]["stop_short"],

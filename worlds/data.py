@@ -250,9 +250,9 @@ def join_parts(parts: list, sizes: dict, dest: str, delete: bool = True):
 
 def check_flat_index(path: str):
     """The joined file must be a FAISS IndexFlatIP whose header's ntotal x dim float32 vectors fill the file."""
-    import retriever
+    from retrieval.index import read_flat_index
     try:
-        index = retriever.read_flat_index(path, mmap=True)
+        index = read_flat_index(path, mmap=True)
     except RuntimeError as e:
         raise ValueError(f"{path}: not a readable FAISS index ({str(e).splitlines()[0]}); a part is missing or "
                          "corrupt: delete it and rerun") from None
@@ -298,6 +298,7 @@ def prepare_searchr1(out: str, index: str = "prebuilt", encoder: str = "e5", rev
     expected_rows: {output: rows} to check (None: no check); retries: automatic retries of a failed download.
     Returns the manifest."""
     import retriever
+    from retrieval.index import META_FILE, describe_prebuilt
     if index not in ("prebuilt", "build", "none"):
         raise ValueError(f"index must be prebuilt, build or none, got {index!r}")
     fetch, info = fetch or hub_fetch, info or hub_info
@@ -346,11 +347,11 @@ def prepare_searchr1(out: str, index: str = "prebuilt", encoder: str = "e5", rev
         gunzip_corpus(gz["path"], corpus)
         if not keep_downloads:
             os.remove(gz["path"])
-    has_index = os.path.exists(os.path.join(index_dir, retriever.META_FILE))
+    has_index = os.path.exists(os.path.join(index_dir, META_FILE))
     if index == "prebuilt" and not os.path.exists(index_file):
         join_parts([p["path"] for p in parts], {p["path"]: p["size"] for p in parts}, index_file, not keep_downloads)
     if index == "prebuilt" and not has_index:
-        retriever.describe_prebuilt(index_file, corpus, encoder, out_dir=index_dir)
+        describe_prebuilt(index_file, corpus, encoder, out_dir=index_dir)
     if index == "build" and not has_index:  # float32 vectors in RAM and on disk; 768 = E5-base's width
         check_disk(out, {"index build (768-dim vectors)": count_lines(corpus) * 768 * 4}, disk_free)
         retriever.build_index(corpus, encoder, index_dir)
