@@ -1,15 +1,18 @@
-"""Evaluation of a search agent on QA sets: QA loading and validation, greedy episodes, EM per data source.
+"""Evaluation of a search agent on QA sets: QA loading and validation, greedy episodes, EM per data
+source.
 
-The episodes are scored by protocol.py's reward (`extract_answer` + `exact_match` after SQuAD normalisation, DESIGN.md
-section 3), the same function that scores training episodes, so the two cannot drift apart. The reward reads the
-agent's own sampled text only (DEVIATION R5); Search-R1's `qa_em.compute_score_em` reads prompt + response and skips
-the prompt's `<answer> Beijing </answer>` example by requiring two matches.
+The episodes are scored by protocol.py's reward (`extract_answer` + `exact_match` after SQuAD
+normalisation, DESIGN.md section 3), the same function that scores training episodes, so the two
+cannot drift apart. The reward reads the agent's own sampled text only (DEVIATION R5); Search-R1's
+`qa_em.compute_score_em` reads prompt + response and skips the prompt's `<answer> Beijing </answer>`
+example by requiring two matches.
 
 Launch:
   python eval.py --model runs/demo/twice/step_000030/policy --data data/tinyworld/test.jsonl \
       --index data/tinyworld/index
   python eval.py --help                                  # every option with its default
-The paper's table from result files is lab/report.py's (`python -m lab.report paper GRPO=DIR TWICE=DIR --paper 3b`).
+The paper's table from result files is lab/report.py's (`python -m lab.report paper GRPO=DIR
+TWICE=DIR --paper 3b`).
 """
 import json
 import os
@@ -26,14 +29,16 @@ from protocol import normalize_answer
 QA_FIELDS = ("id", "question", "golden_answers", "data_source")
 
 
-# A character that normalize_answer keeps whatever surrounds it (not punctuation, whitespace or a letter of a/an/the):
-# it settles most answers without normalize_answer, which is ~20 us an answer (0.7 s for 20k rows of two answers)
+# A character that normalize_answer keeps whatever surrounds it (not punctuation, whitespace or a
+# letter of a/an/the): it settles most answers without normalize_answer, which is ~20 us an answer
+# (0.7 s for 20k rows of two answers)
 _SURELY_NONEMPTY = re.compile(r"[^\santhe" + re.escape(string.punctuation) + "]")
 
 
 def _lone_surrogate(text: str):
-    """Position of a lone UTF-16 surrogate in text, else None. The JSON escape "\ud800" without its low half survives
-    json.loads but not UTF-8 encoding, which the tokenizer does at the step that samples the row."""
+    """Position of a lone UTF-16 surrogate in text, else None. The JSON escape "\ud800" without its
+    low half survives json.loads but not UTF-8 encoding, which the tokenizer does at the step that
+    samples the row."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -43,21 +48,24 @@ def _lone_surrogate(text: str):
 
 def _refuse_lone_surrogates(row: dict):
     texts = [(field, t) for field, v in row.items() for t in (v if isinstance(v, list) else [v])]
-    if _lone_surrogate("".join(t for _, t in texts)) is None:  # one encode per row; locate only when there is one
+    # one encode per row; locate only when there is one
+    if _lone_surrogate("".join(t for _, t in texts)) is None:
         return
     field, text = next((field, t) for field, t in texts if _lone_surrogate(t) is not None)
     at = _lone_surrogate(text)
-    raise ValueError(f"field {field!r} has a lone surrogate \\u{ord(text[at]):04x} at character {at} "
-                     f"({text[max(0, at - 20):at]!r}...): an invalid JSON \\u escape, which cannot be encoded as "
-                     "UTF-8 and would crash training when the row is sampled; fix the text")
+    raise ValueError(
+        f"field {field!r} has a lone surrogate \\u{ord(text[at]):04x} at character {at} "
+        f"({text[max(0, at - 20):at]!r}...): an invalid JSON \\u escape, which cannot be encoded as "
+        "UTF-8 and would crash training when the row is sampled; fix the text")
 
 
 def _check_row(row) -> dict:
-    """A QA row -> {id, question, golden_answers, data_source}, or ValueError saying what is wrong and how to fix it
-    (the caller prefixes file:line)."""
+    """A QA row -> {id, question, golden_answers, data_source}, or ValueError saying what is wrong
+    and how to fix it (the caller prefixes file:line)."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-    missing = [k for k in QA_FIELDS if row.get(k) is None]  # `datasets` fills a key that a row lacks with None
+    # `datasets` fills a key that a row lacks with None
+    missing = [k for k in QA_FIELDS if row.get(k) is None]
     if missing:
         raise ValueError(f"missing field(s) {missing}; a QA row needs {list(QA_FIELDS)}")
     gold = row["golden_answers"]
@@ -66,31 +74,36 @@ def _check_row(row) -> dict:
     if isinstance(gold, str):
         gold = [gold]
     if not isinstance(gold, list) or not gold or not all(isinstance(g, str) for g in gold):
-        raise ValueError(f"field 'golden_answers' must be a non-empty list of strings, got {gold!r}")
+        raise ValueError(
+            f"field 'golden_answers' must be a non-empty list of strings, got {gold!r}")
     if not isinstance(row["question"], str) or not row["question"].strip():
         raise ValueError("field 'question' must be a non-empty string")
     out = {"id": str(row["id"]), "question": row["question"], "golden_answers": gold,
            "data_source": str(row["data_source"])}
     _refuse_lone_surrogates(out)
-    # DEVIATION E10: Search-R1 keeps such answers; an empty <answer></answer> would then score 1.0 (exact_match)
+    # DEVIATION E10: Search-R1 keeps such answers; an empty <answer></answer> would then score 1.0
+    # (exact_match)
     empty = [g for g in gold if not _SURELY_NONEMPTY.search(g.lower()) and not normalize_answer(g)]
     if empty:
-        raise ValueError(f"golden answer(s) {empty} normalise to an empty string (lowercase, no punctuation, no "
-                         "a/an/the), so an empty answer would score 1.0: remove them from 'golden_answers' (or drop "
-                         "the row if no answer is left)")
+        raise ValueError(
+            f"golden answer(s) {empty} normalise to an empty string (lowercase, no punctuation, no "
+            "a/an/the), so an empty answer would score 1.0: remove them from 'golden_answers' (or drop "
+            "the row if no answer is left)")
     return out
 
 
 def read_jsonl(path: str):
-    """Yield (line number, parsed object) of a jsonl file, skipping blank lines; a malformed line or one that is not
-    UTF-8 names file:line."""
+    """Yield (line number, parsed object) of a jsonl file, skipping blank lines; a malformed line or
+    one that is not UTF-8 names file:line."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of "
-                                 "the line); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of "
+                    "the line); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -100,59 +113,69 @@ def read_jsonl(path: str):
 
 
 def write_jsonl(path: str, rows):
-    """One JSON object per line, UTF-8, non-ASCII kept as is (every QA and corpus file of the project)."""
+    """One JSON object per line, UTF-8, non-ASCII kept as is (every QA and corpus file of the
+    project)."""
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
 def _datasets_records(path: str, kind: str) -> list:
-    """The records of a "json" (jsonl) or "parquet" file, read by `datasets` (Arrow) into memory. Its cache goes to a
-    temporary folder that is deleted at once, so loading leaves nothing in ~/.cache."""
+    """The records of a "json" (jsonl) or "parquet" file, read by `datasets` (Arrow) into memory.
+    Its cache goes to a temporary folder that is deleted at once, so loading leaves nothing in
+    ~/.cache."""
     import tempfile
     import datasets
     datasets.disable_progress_bars()  # a bar per small file would drown the training log
     verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors are reported by load_qa, with line
+    # its parse errors are reported by load_qa, with line
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         with tempfile.TemporaryDirectory(prefix="qa-cache-") as cache:
-            ds = datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True)
+            ds = datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache,
+                                       keep_in_memory=True)
     finally:
         datasets.logging.set_verbosity(verbosity)
     return ds.to_list()
 
 
 def _nonblank_lineno(path: str, index: int) -> int:
-    """1-based line number of the index-th (0-based) non-blank line: the line of `datasets`' row `index`."""
+    """1-based line number of the index-th (0-based) non-blank line: the line of `datasets`' row
+    `index`."""
     with open(path, "rb") as f:
         rows = (lineno for lineno, raw in enumerate(f, 1) if raw.strip())
         return next(lineno for i, lineno in enumerate(rows) if i == index)
 
 
 def qa_where(path: str, index: int) -> str:
-    """Where row `index` (0-based) of a QA file sits: `file:line` (jsonl: one row per non-blank line) or
-    `file: row N` (parquet)."""
-    return f"{path}: row {index}" if path.endswith(".parquet") else f"{path}:{_nonblank_lineno(path, index)}"
+    """Where row `index` (0-based) of a QA file sits: `file:line` (jsonl: one row per non-blank
+    line) or `file: row N` (parquet)."""
+    return f"{path}: row {index}" if path.endswith(
+        ".parquet") else f"{path}:{_nonblank_lineno(path, index)}"
 
 
 def _refuse_duplicate_ids(path: str, rows: list):
-    """Every row's sampling keys derive from its id (sampler.stable_id), so two questions sharing an id would share
-    their noise: any repeated id is refused, naming both rows (identical rows too: a row twice is a data error)."""
+    """Every row's sampling keys derive from its id (sampler.stable_id), so two questions sharing an
+    id would share their noise: any repeated id is refused, naming both rows (identical rows too: a
+    row twice is a data error)."""
     first = {}
     for i, row in enumerate(rows):
         j = first.setdefault(row["id"], i)
         if j != i:
-            raise ValueError(f"{qa_where(path, i)}: duplicate id {row['id']!r}, first at {qa_where(path, j)}; ids "
-                             "key each question's sampling noise and must be unique within a file")
+            raise ValueError(
+                f"{qa_where(path, i)}: duplicate id {row['id']!r}, first at {qa_where(path, j)}; ids "
+                "key each question's sampling noise and must be unique within a file")
 
 
 def load_qa(path: str) -> list:
-    """Load QA rows (`id`, `question`, `golden_answers`, `data_source`) from a .jsonl or .parquet file, through
-    `datasets`, each row checked by _check_row, ids unique (as strings: 7 and "7" are one id).
+    """Load QA rows (`id`, `question`, `golden_answers`, `data_source`) from a .jsonl or .parquet
+    file, through `datasets`, each row checked by _check_row, ids unique (as strings: 7 and "7" are
+    one id).
 
-    A bad row raises ValueError naming the file and the line (jsonl, 1-based) or row (parquet, 0-based). Arrow's JSON
-    errors name neither a line nor a byte (nor does it accept what Python's json does: a lone surrogate escape), so
-    when `datasets` fails on a jsonl file, the file is read again line by line to name the bad line.
+    A bad row raises ValueError naming the file and the line (jsonl, 1-based) or row (parquet,
+    0-based). Arrow's JSON errors name neither a line nor a byte (nor does it accept what Python's
+    json does: a lone surrogate escape), so when `datasets` fails on a jsonl file, the file is read
+    again line by line to name the bad line.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"QA file not found: {path}")
@@ -161,15 +184,19 @@ def load_qa(path: str) -> list:
         records = _datasets_records(path, kind)
     except Exception as e:
         if kind == "parquet":
-            raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+            raise ValueError(
+                f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
         rows = []
         for lineno, row in read_jsonl(path):
             try:
                 rows.append(_check_row(row))
             except ValueError as bad:
                 raise ValueError(f"{path}:{lineno}: {bad}") from None
-        if rows:  # every line is a good row: `datasets` failed on something else (e.g. mixed types of extra fields)
-            print(f"{path}: read line by line (datasets: {type(e).__name__}: {str(e)[:200]})", flush=True)
+        # every line is a good row: `datasets` failed on something else (e.g. mixed types of extra
+        # fields)
+        if rows:
+            print(f"{path}: read line by line (datasets: {type(e).__name__}: {str(e)[:200]})",
+                  flush=True)
     else:
         rows = []
         for i, row in enumerate(records):
@@ -183,36 +210,44 @@ def load_qa(path: str) -> list:
     return rows
 
 
-def refuse_long_prompts(rows: list, tokenizer, max_context: int, max_new_tokens: int, path: str = ""):
-    """Refuse any row whose prompt leaves less than one full turn (max_new_tokens) of room under max_context, naming
-    `file:line` (path given: rows as load_qa returned them) or the question's id, with its token count.
+def refuse_long_prompts(rows: list, tokenizer, max_context: int, max_new_tokens: int,
+                        path: str = ""):
+    """Refuse any row whose prompt leaves less than one full turn (max_new_tokens) of room under
+    max_context, naming `file:line` (path given: rows as load_qa returned them) or the question's
+    id, with its token count.
 
-    Refused rather than truncated: a cut question may no longer hold what its answer depends on, so training or
-    scoring it would be training or scoring another question. Such a row can never produce a full turn, and its
-    prompt went whole into every log-prob pass (a 40,000-word question ran a run to 24 GB before the kernel killed
-    it); refusing at load time costs one tokenisation of the file, before any model runs."""
+    Refused rather than truncated: a cut question may no longer hold what its answer depends on, so
+    training or scoring it would be training or scoring another question. Such a row can never
+    produce a full turn, and its prompt went whole into every log-prob pass (a 40,000-word question
+    ran a run to 24 GB before the kernel killed it); refusing at load time costs one tokenisation of
+    the file, before any model runs."""
     limit = max_context - max_new_tokens
     lengths = rollout.prompt_lengths(tokenizer, rows)
     over = [i for i, n in enumerate(lengths) if n > limit]
     if not over:
         return
     i = over[0]
-    where = qa_where(path, i) if path else f"question {rows[i].get('id')!r} of {rows[i].get('data_source')}"
-    raise ValueError(f"{where}: the prompt is {lengths[i]} tokens, past the {limit} that leave one turn "
-                     f"(max_new_tokens={max_new_tokens}) under max_context={max_context}; {len(over)} such row(s), "
-                     f"longest {max(lengths[j] for j in over)} tokens: shorten or remove them, or raise max_context")
+    where = qa_where(
+        path, i) if path else f"question {rows[i].get('id')!r} of {rows[i].get('data_source')}"
+    raise ValueError(
+        f"{where}: the prompt is {lengths[i]} tokens, past the {limit} that leave one turn "
+        f"(max_new_tokens={max_new_tokens}) under max_context={max_context}; {len(over)} such row(s), "
+        f"longest {max(lengths[j] for j in over)} tokens: shorten or remove them, or raise max_context"
+    )
 
 
 # --- evaluation of a policy on QA sets (greedy episodes, DESIGN.md section 3) ---
 
 def em_table(per_source: dict) -> str:
-    """Markdown table: one row per data source plus the unweighted average over sources (Search-R1's 'Avg.')."""
+    """Markdown table: one row per data source plus the unweighted average over sources (Search-R1's
+    'Avg.')."""
     lines = ["| dataset | n | EM |", "|---|---:|---:|"]
     for name, (n, em) in per_source.items():
         lines.append(f"| {name} | {n} | {100 * em:.1f} |")
     if per_source:
         avg = sum(em for _, em in per_source.values()) / len(per_source)
-        lines.append(f"| **average** | {sum(n for n, _ in per_source.values())} | **{100 * avg:.1f}** |")
+        lines.append(
+            f"| **average** | {sum(n for n, _ in per_source.values())} | **{100 * avg:.1f}** |")
     return "\n".join(lines)
 
 
@@ -225,15 +260,19 @@ def summarize(rows: list, rewards: list) -> dict:
     return {k: (n, s / n) for k, (n, s) in out.items()}
 
 
-def evaluate(model, tokenizer, retriever, rows: list, proto, chunk: int = 256, progress: bool = True) -> list:
-    """Greedy episodes (proto.temperature must be 0) for every row -> the finished Episode records, in order."""
+def evaluate(model, tokenizer, retriever, rows: list, proto, chunk: int = 256,
+             progress: bool = True) -> list:
+    """Greedy episodes (proto.temperature must be 0) for every row -> the finished Episode records,
+    in order."""
     from tqdm import tqdm
     if proto.temperature != 0:
         raise ValueError("evaluation is greedy: set temperature 0 (DESIGN.md section 3)")
-    refuse_long_prompts(rows, tokenizer, proto.max_context, proto.max_new_tokens)  # before any episode runs
+    # before any episode runs
+    refuse_long_prompts(rows, tokenizer, proto.max_context, proto.max_new_tokens)
     episodes = []
     for c in tqdm(range(0, len(rows), chunk), desc="eval", unit="chunk", disable=not progress):
-        batch = rollout.start_episodes(tokenizer, rows[c:c + chunk], run_seed=0, step=0, group_size=1)
+        batch = rollout.start_episodes(tokenizer, rows[c:c + chunk], run_seed=0, step=0,
+                                       group_size=1)
         episodes += rollout.run_episodes(model, tokenizer, retriever, batch, proto)
     return episodes
 
@@ -242,7 +281,8 @@ def evaluate_on_ranks(accel, model, tokenizer, retriever, rows: list, proto, gat
     """evaluate() with rows sharded over accelerate ranks -> {"eval_em": mean over sources, "eval_em/<source>": EM}.
     gather_list(accel, items) concatenates every rank's list in rank order."""
     shard = list(range(accel.process_index, len(rows), accel.num_processes))
-    eps = evaluate(model, tokenizer, retriever, [rows[i] for i in shard], proto, progress=accel.is_main_process)
+    eps = evaluate(model, tokenizer, retriever, [rows[i] for i in shard], proto,
+                   progress=accel.is_main_process)
     scored = sorted(gather_list(accel, [(i, ep.reward) for i, ep in zip(shard, eps)]))
     out = {f"eval_em/{k}": em for k, (_, em) in summarize(rows, [r for _, r in scored]).items()}
     out["eval_em"] = sum(out.values()) / len(out)
@@ -250,25 +290,27 @@ def evaluate_on_ranks(accel, model, tokenizer, retriever, rows: list, proto, gat
 
 
 def load_policy(path: str, device=None, dtype=None):
-    """(model, tokenizer) from an HF folder or hub id; refuses a tokenizer whose ids the model cannot embed."""
+    """(model, tokenizer) from an HF folder or hub id; refuses a tokenizer whose ids the model
+    cannot embed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
-    # on a GPU each tensor goes from the file straight to the device: no whole host copy per rank (8 ranks of 7B
-    # in fp32 held ~245 GB of host RAM at once)
+    # on a GPU each tensor goes from the file straight to the device: no whole host copy per rank (8
+    # ranks of 7B in fp32 held ~245 GB of host RAM at once)
     direct = {"device_map": str(device)} if str(device or "cpu").startswith("cuda") else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **direct)
     n_embed = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > n_embed:
-        raise ValueError(f"{path}: tokenizer has {len(tokenizer)} tokens but the model embeds only {n_embed}: "
-                         "mismatched tokenizer and model")
+        raise ValueError(
+            f"{path}: tokenizer has {len(tokenizer)} tokens but the model embeds only {n_embed}: "
+            "mismatched tokenizer and model")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device or "cpu").eval(), tokenizer
 
 
 def load_retriever(index: str = "", url: str = ""):
-    """In-process retriever over an index folder (dense, or BM25 when its meta.json says so: retrieval/bm25.py), or a client of
-    a Search-R1-style HTTP server."""
+    """In-process retriever over an index folder (dense, or BM25 when its meta.json says so:
+    retrieval/bm25.py), or a client of a Search-R1-style HTTP server."""
     import retriever
     if url:
         return retriever.RemoteRetriever(url)
@@ -283,7 +325,8 @@ class Config:
     model: str = ""                 # HF folder or hub id of the policy
     data: str = ""                  # comma-separated QA files (.jsonl / .parquet)
     index: str = ""                 # retriever index folder (retriever.py build)
-    retriever_url: str = ""         # Search-R1-style server, e.g. http://127.0.0.1:8000/retrieve; replaces index
+    retriever_url: str = ""         # Search-R1-style server, e.g. http://127.0.0.1:8000/retrieve;
+    #                                 replaces index
     out: str = ""                   # write per-question records and the table as json here
     limit: int = 0                  # first N questions of each file (0 = all)
     max_turns: int = 4              # searches per episode, then one final turn
@@ -296,15 +339,19 @@ class Config:
     def checks(self):
         return [("model", bool(self.model), "a policy folder or hub id"),
                 ("data", bool(self.data), "one or more QA files"),
-                ("index", bool(self.index or self.retriever_url), "an index folder, or set retriever_url"),
+                ("index", bool(self.index or
+                               self.retriever_url), "an index folder, or set retriever_url"),
                 ("limit", self.limit >= 0, ">= 0"), ("max_turns", self.max_turns >= 0, ">= 0"),
-                ("topk", self.topk >= 1, ">= 1"), ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+                ("topk", self.topk >= 1, ">= 1"),
+                ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
                 ("max_obs_tokens", self.max_obs_tokens >= 0, ">= 0"),
-                ("max_context", self.max_context >= 2, ">= 2"), ("gen_batch_size", self.gen_batch_size >= 1, ">= 1")]
+                ("max_context", self.max_context >= 2, ">= 2"),
+                ("gen_batch_size", self.gen_batch_size >= 1, ">= 1")]
 
 
 def check_writable(path: str):
-    """Fail before the evaluation, not after it: the results file's folder is created and a probe file written."""
+    """Fail before the evaluation, not after it: the results file's folder is created and a probe
+    file written."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         open(path + ".tmp", "w", encoding="utf-8").close()
@@ -321,19 +368,25 @@ def main(cfg: Config):
     for path in cfg.data.split(","):
         rows += load_qa(path)[:cfg.limit or None]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_policy(cfg.model, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    model, tokenizer = load_policy(cfg.model, device,
+                                   torch.bfloat16 if device == "cuda" else torch.float32)
     proto = protocol.protocol_from(cfg, greedy=True)
     episodes = evaluate(model, tokenizer, load_retriever(cfg.index, cfg.retriever_url), rows, proto)
     per_source = summarize(rows, [ep.reward for ep in episodes])
     table = em_table(per_source)
     print(table)
     if cfg.out:
-        records = [{"id": r["id"], "data_source": r["data_source"], "question": r["question"], "answer": ep.answer,
-                    "golden_answers": r["golden_answers"], "em": ep.reward, "turns": len(ep.turns),
-                    "response": tokenizer.decode(ep.ids, skip_special_tokens=False)} for r, ep in zip(rows, episodes)]
-        result = {"model": cfg.model, "per_source": {k: {"n": n, "em": em} for k, (n, em) in per_source.items()},
-                  "average_em": sum(em for _, em in per_source.values()) / len(per_source), "table": table,
-                  "records": records}
+        records = [{
+            "id": r["id"], "data_source": r["data_source"], "question": r["question"],
+            "answer": ep.answer, "golden_answers": r["golden_answers"], "em": ep.reward,
+            "turns": len(ep.turns), "response": tokenizer.decode(ep.ids, skip_special_tokens=False)
+        } for r, ep in zip(rows, episodes)]
+        result = {
+            "model": cfg.model, "per_source": {
+                k: {"n": n, "em": em} for k, (n, em) in per_source.items()
+            }, "average_em": sum(em for _, em in per_source.values()) / len(per_source),
+            "table": table, "records": records
+        }
         os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
         tmp = cfg.out + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:

@@ -1,25 +1,31 @@
-"""The benchmark on the chains world, built up over several sittings and rebuilt from committed run outputs.
+"""The benchmark on the chains world, built up over several sittings and rebuilt from committed run
+outputs.
 
     python -m lab.benchmark run SET [--jobs 2] [--world data/chains]   # the set's missing runs; each one's outputs are
-                                                                   # copied into results/chains/runs/ when it ends
+                                                                   # copied into
+                                                                   results/chains/runs/ when it ends
     python -m lab.benchmark report                                     # every table (results/chains/tables.md) and PNG
     python -m lab.benchmark plan SET                                   # the runs of a set, done or to do
 
-A run is a label and a seed: `train_twice.py configs/chains.cfg configs/compare-methods.cfg` plus the label's flags
-(LABELS below; "grpo-g8" is GRPO with 8 lines per prompt, "twice-token-b0.25-w1" TWICE with token forks, twin_budget
-0.25 and omega 1, a "-360k" suffix triples the token budget). Every run stops at the same generated tokens (factual +
-auxiliary). results/chains/runs/<label>-seed<s>/ keeps its config.json, metrics.jsonl and meta.json (command, commit,
-world digests, machine, wall time), a few kB: the tables are a function of that folder alone.
+A run is a label and a seed: `train_twice.py configs/chains.cfg configs/compare-methods.cfg` plus
+the label's flags (LABELS below; "grpo-g8" is GRPO with 8 lines per prompt, "twice-token-b0.25-w1"
+TWICE with token forks, twin_budget 0.25 and omega 1, a "-360k" suffix triples the token budget).
+Every run stops at the same generated tokens (factual + auxiliary).
+results/chains/runs/<label>-seed<s>/ keeps its config.json, metrics.jsonl and meta.json (command,
+commit, world digests, machine, wall time), a few kB: the tables are a function of that folder
+alone.
 
 The sets, in the order they may run (each refuses to start before what it depends on is complete):
     sweep        dev seeds 0-2: GRPO; TWICE, both units, twin_budget x {0.1, 0.25, 0.5, 0.7} at omega 1; VinePPO
                  K in {1, 3, 9}
-    sweep-omega  dev seeds 0-2: TWICE, both units, omega {0.25, 0.5, 2} at the unit's best budget of `sweep`
+    sweep-omega  dev seeds 0-2: TWICE, both units, omega {0.25, 0.5, 2} at the unit's best budget of
+    `sweep`
     dev          dev seeds 0-2: every method of the benchmark, at the knobs chosen from the sweeps
     heldout      seeds 10-15 at 120k tokens: the same list, run once (chosen.json is frozen before any of them)
     long         seeds 10-12 at 360k tokens: GRPO, the best TWICE variant and the best other method (by dev AUC)
-Knobs are chosen by one rule, the highest mean area under EM-vs-tokens over the development seeds, and written to
-results/chains/chosen.json before the first run that needs them; an existing chosen.json is never rewritten.
+Knobs are chosen by one rule, the highest mean area under EM-vs-tokens over the development seeds,
+and written to results/chains/chosen.json before the first run that needs them; an existing
+chosen.json is never rewritten.
 """
 import argparse
 import datetime
@@ -61,14 +67,18 @@ def flags(label: str) -> list:
     out, name = [], label
     unreadable = f"lab/benchmark.py: cannot read the run label {label!r} (see LABELS in the module docstring)"
     if name.endswith("-360k"):
-        out, name = [f"--token_budget={120000 * LONG}", f"--eval_tokens={30000 * LONG}"], name[:-len("-360k")]
+        out, name = [f"--token_budget={120000 * LONG}",
+                     f"--eval_tokens={30000 * LONG}"], name[:-len("-360k")]
     parts = name.split("-")
     try:
         if parts[0] == "grpo" and len(parts) <= 2:
-            return out + ["--method=grpo"] + ([f"--group_size={int(parts[1][1:])}"] if len(parts) == 2 else [])
+            return out + ["--method=grpo"
+                          ] + ([f"--group_size={int(parts[1][1:])}"] if len(parts) == 2 else [])
         if parts[0] == "twice" and len(parts) == 4 and parts[1] in ("turn", "token"):
-            return out + ["--method=twice", f"--twin_unit={parts[1]}", f"--twin_budget={float(parts[2][1:])}",
-                          f"--omega={float(parts[3][1:])}"]
+            return out + [
+                "--method=twice", f"--twin_unit={parts[1]}", f"--twin_budget={float(parts[2][1:])}",
+                f"--omega={float(parts[3][1:])}"
+            ]
         if parts[0] == "independent" and len(parts) == 3:
             return out + ["--method=independent", f"--twin_budget={float(parts[1][1:])}",
                           f"--omega={float(parts[2][1:])}"]
@@ -89,17 +99,23 @@ def run_dir(label: str, seed: int, results: str = RESULTS) -> str:
 
 def finished(folder: str) -> bool:
     path = os.path.join(folder, "metrics.jsonl")
-    return os.path.isfile(path) and any(json.loads(line).get("final") for line in open(path) if line.strip())
+    return os.path.isfile(path) and any(
+        json.loads(line).get("final") for line in open(path) if line.strip())
 
 
 def collect(labels, seeds, results: str = RESULTS, need_all: bool = True) -> dict:
-    """{label: [(config, rows)]} of the finished committed runs; SystemExit naming what is missing if need_all."""
+    """{label: [(config, rows)]} of the finished committed runs; SystemExit naming what is missing
+    if need_all."""
     done = {(lab, s): finished(run_dir(lab, s, results)) for lab in labels for s in seeds}
     missing = [f"{lab} seed {s}" for (lab, s), ok in done.items() if not ok]
     if missing and need_all:
-        raise SystemExit(f"lab/benchmark.py: {len(missing)} runs are not done yet ({', '.join(missing[:6])}"
-                         f"{', ...' if len(missing) > 6 else ''}): run their set first")
-    return {lab: [report.load_run(run_dir(lab, s, results)) for s in seeds if done[lab, s]] for lab in labels}
+        raise SystemExit(
+            f"lab/benchmark.py: {len(missing)} runs are not done yet ({', '.join(missing[:6])}"
+            f"{', ...' if len(missing) > 6 else ''}): run their set first")
+    return {
+        lab: [report.load_run(run_dir(lab, s, results)) for s in seeds if done[lab, s]]
+        for lab in labels
+    }
 
 
 def mean_auc(runs: list, budget: float) -> float:
@@ -120,42 +136,58 @@ def best(runs: dict, labels: list) -> str:
 
 def best_budgets(runs: dict) -> dict:
     """{unit: the twin_budget of its best omega-1 run in the sweep}."""
-    return {u: float(best(runs, [twice(u, b, 1.0) for b in BUDGETS]).split("-")[2][1:]) for u in ("turn", "token")}
+    return {
+        u: float(best(runs, [twice(u, b, 1.0) for b in BUDGETS]).split("-")[2][1:])
+        for u in ("turn", "token")
+    }
 
 
 def chosen(results: str = RESULTS, need: str = "knobs") -> dict:
-    """The knobs chosen on the development seeds (results/chains/chosen.json; computed and written the first time
-    they are asked for, from complete sweeps only, and never rewritten). need="long" also asks for the best TWICE
-    variant and the best other method of the dev set."""
+    """The knobs chosen on the development seeds (results/chains/chosen.json; computed and written
+    the first time they are asked for, from complete sweeps only, and never rewritten). need="long"
+    also asks for the best TWICE variant and the best other method of the dev set."""
     path = os.path.join(results, "chosen.json")
     out = json.load(open(path)) if os.path.isfile(path) else {}
     if "twice-turn" not in out:
         runs = collect(sweep_labels(), DEV_SEEDS, results)
         budgets = best_budgets(runs)
-        runs.update(collect([twice(u, b, w) for u, b in budgets.items() for w in OMEGAS], DEV_SEEDS, results))
-        units = {u: best(runs, [twice(u, b, w) for w in (1.0, *OMEGAS)]) for u, b in budgets.items()}
+        runs.update(
+            collect([twice(u, b, w) for u, b in budgets.items()
+                     for w in OMEGAS], DEV_SEEDS, results))
+        units = {
+            u: best(runs, [twice(u, b, w) for w in (1.0, *OMEGAS)]) for u, b in budgets.items()
+        }
         turn = units["turn"].split("-")
-        out.update({"twice-turn": units["turn"], "twice-token": units["token"],
-                    "independent": f"independent-{turn[2]}-{turn[3]}",  # the turn unit's knobs, uncoupled
-                    "vineppo": best(runs, [f"vineppo-k{k}" for k in VINE_KS]),
-                    "rule": "highest mean AUC (area under greedy EM vs generated tokens) over seeds 0-2",
-                    "chosen_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        out.update({
+            "twice-turn": units["turn"],
+            "twice-token": units["token"],
+            # the turn unit's knobs, uncoupled
+            "independent": f"independent-{turn[2]}-{turn[3]}",
+            "vineppo": best(runs, [f"vineppo-k{k}" for k in VINE_KS]),
+            "rule": "highest mean AUC (area under greedy EM vs generated tokens) over seeds 0-2",
+            "chosen_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        })
         write_json(path, out)
     if need == "long" and "best_twice" not in out:
         labels = dev_labels(out)
         runs = collect(labels, DEV_SEEDS, results)
         out["best_twice"] = best(runs, [out["twice-turn"], out["twice-token"]])
-        out["best_other"] = best(runs, [lab for lab in labels if not lab.startswith(("grpo", "twice"))])
+        out["best_other"] = best(runs,
+                                 [lab for lab in labels if not lab.startswith(("grpo", "twice"))])
         write_json(path, out)
     return out
 
 
 def dev_labels(ch: dict) -> list:
-    return ["grpo", "grpo-g8", ch["twice-turn"], ch["twice-token"], ch["independent"], ch["vineppo"], *OTHERS]
+    return [
+        "grpo", "grpo-g8", ch["twice-turn"], ch["twice-token"], ch["independent"], ch["vineppo"],
+        *OTHERS
+    ]
 
 
 def plan(name: str, results: str = RESULTS) -> list:
-    """[(label, seed)] of a set, seed-major (a prefix of the runs covers every label on the first seeds)."""
+    """[(label, seed)] of a set, seed-major (a prefix of the runs covers every label on the first
+    seeds)."""
     if name == "sweep":
         labels, seeds = sweep_labels(), DEV_SEEDS
     elif name == "sweep-omega":
@@ -169,9 +201,12 @@ def plan(name: str, results: str = RESULTS) -> list:
         labels, seeds = dev_labels(ch), HELDOUT_SEEDS
     elif name == "long":
         ch = chosen(results, need="long")
-        labels, seeds = [f"{lab}-360k" for lab in ("grpo", ch["best_twice"], ch["best_other"])], LONG_SEEDS
+        labels, seeds = [f"{lab}-360k"
+                         for lab in ("grpo", ch["best_twice"], ch["best_other"])], LONG_SEEDS
     else:
-        raise SystemExit(f"lab/benchmark.py: unknown set {name!r}; choose sweep, sweep-omega, dev, heldout or long")
+        raise SystemExit(
+            f"lab/benchmark.py: unknown set {name!r}; choose sweep, sweep-omega, dev, heldout or long"
+        )
     return [(lab, s) for s in seeds for lab in labels]
 
 
@@ -186,29 +221,36 @@ def write_json(path: str, obj):
 
 
 def sha(path: str) -> str:
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()[:16] if os.path.isfile(path) else "missing"
+    return hashlib.sha256(open(path,
+                               "rb").read()).hexdigest()[:16] if os.path.isfile(path) else "missing"
 
 
 def commit() -> str:
     def git(*a):
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no")
-                                                  else "")
+
+    return git("rev-parse", "--short",
+               "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def cpu() -> str:
     try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        return next(
+            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+            if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
 
 def run_one(label: str, seed: int, world: str, scratch: str, results: str, extra=()) -> str:
-    """One training run in scratch/, then its small outputs copied into results/; returns a line for the log.
-    `extra` flags come last (the tests' small runs)."""
-    out, dest = os.path.join(os.path.abspath(scratch), f"{label}-seed{seed}"), run_dir(label, seed, results)
-    argv = [sys.executable, "train_twice.py", *CONFIGS, *(["--world=" + world] if world else []), *flags(label),
-            f"--seed={seed}", f"--out_dir={out}", "--overwrite", *extra]
+    """One training run in scratch/, then its small outputs copied into results/; returns a line for
+    the log. `extra` flags come last (the tests' small runs)."""
+    out, dest = os.path.join(os.path.abspath(scratch), f"{label}-seed{seed}"), run_dir(
+        label, seed, results)
+    argv = [
+        sys.executable, "train_twice.py", *CONFIGS, *(["--world=" + world] if world else []),
+        *flags(label), f"--seed={seed}", f"--out_dir={out}", "--overwrite", *extra
+    ]
     os.makedirs(os.path.dirname(out), exist_ok=True)
     start, code = time.time(), commit()
     with open(out + ".log", "w") as log:
@@ -222,9 +264,14 @@ def run_one(label: str, seed: int, world: str, scratch: str, results: str, extra
         shutil.copy(os.path.join(out, name), os.path.join(dest + ".tmp", name))
     wdir = world or "data/chains"
     shown = [a.replace(ROOT + os.sep, "") for a in ["python", *argv[1:]]]
-    meta = {"label": label, "seed": seed, "argv": shown, "commit": code, "wall_s": round(wall, 1),
-            "cpu": cpu(), "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "world": {f: sha(os.path.join(ROOT, wdir, f)) for f in ("world.json", "policy/model.safetensors")}}
+    meta = {
+        "label": label, "seed": seed, "argv": shown, "commit": code, "wall_s": round(wall, 1),
+        "cpu": cpu(), "finished": datetime.datetime.now(
+            datetime.timezone.utc).isoformat(timespec="seconds"), "world": {
+                f: sha(os.path.join(ROOT, wdir, f))
+                for f in ("world.json", "policy/model.safetensors")
+            }
+    }
     write_json(os.path.join(dest + ".tmp", "meta.json"), meta)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(dest + ".tmp", dest)
@@ -233,8 +280,12 @@ def run_one(label: str, seed: int, world: str, scratch: str, results: str, extra
 
 def run_set(name: str, jobs: int, world: str, scratch: str, results: str = RESULTS) -> int:
     todo = [(lab, s) for lab, s in plan(name, results) if not finished(run_dir(lab, s, results))]
-    print(f"lab/benchmark.py: set {name}: {len(todo)} runs to do, {jobs} at a time, outputs in {scratch}", flush=True)
-    if todo and subprocess.run([sys.executable, "worlds/build.py", "--verify", world or "data/chains"], cwd=ROOT).returncode:
+    print(
+        f"lab/benchmark.py: set {name}: {len(todo)} runs to do, {jobs} at a time, outputs in {scratch}",
+        flush=True)
+    if todo and subprocess.run(
+        [sys.executable, "worlds/build.py", "--verify", world or "data/chains"],
+            cwd=ROOT).returncode:
         return 1
     os.makedirs(scratch, exist_ok=True)
     start, failed = time.time(), 0
@@ -242,8 +293,9 @@ def run_set(name: str, jobs: int, world: str, scratch: str, results: str = RESUL
         for line in pool.map(lambda r: run_one(*r, world, scratch, results), todo):
             print(line, flush=True)
             failed += line.startswith("FAILED")
-    print(f"lab/benchmark.py: set {name}: {len(todo) - failed} runs in {(time.time() - start) / 60:.1f} min, "
-          f"{failed} failed", flush=True)
+    print(
+        f"lab/benchmark.py: set {name}: {len(todo) - failed} runs in {(time.time() - start) / 60:.1f} min, "
+        f"{failed} failed", flush=True)
     return 1 if failed else 0
 
 
@@ -251,15 +303,19 @@ def run_set(name: str, jobs: int, world: str, scratch: str, results: str = RESUL
 
 def updates_curve(rows: list) -> list:
     """[(updates done when measured, greedy EM)]: a step's evaluation runs before its update."""
-    return [(r["step"], r["eval_em"]) for r in rows if "eval_em" in r and r.get("eval_em") is not None]
+    return [(r["step"], r["eval_em"]) for r in rows
+            if "eval_em" in r and r.get("eval_em") is not None]
 
 
 def breakeven(runs: dict, base: str = "grpo") -> str:
-    """Markdown: per label, the token cost of an update against the base's (c) and the EM gained over its n updates
-    against what the base gained over its first n updates (r, same seeds, the base's curve interpolated in updates).
-    At equal generated tokens a label makes up for its cost when r >= c (progress roughly linear in updates)."""
-    out = ["| run | seeds | updates | tokens per update (c: / GRPO's) | EM gain per update (r: / GRPO's at the same "
-           "updates) | r - c |", "|---|---:|---:|---:|---:|---:|"]
+    """Markdown: per label, the token cost of an update against the base's (c) and the EM gained
+    over its n updates against what the base gained over its first n updates (r, same seeds, the
+    base's curve interpolated in updates). At equal generated tokens a label makes up for its cost
+    when r >= c (progress roughly linear in updates)."""
+    out = [
+        "| run | seeds | updates | tokens per update (c: / GRPO's) | EM gain per update (r: / GRPO's at the same "
+        "updates) | r - c |", "|---|---:|---:|---:|---:|---:|"
+    ]
     base_runs = {cfg["seed"]: rows for cfg, rows in runs.get(base, [])}
     for lab, seeds in runs.items():
         cs, rs, ns = [], [], []
@@ -276,7 +332,8 @@ def breakeven(runs: dict, base: str = "grpo") -> str:
             ns.append(n)
         if cs:
             c, r = float(np.mean(cs)), float(np.nanmean(rs)) if np.isfinite(rs).any() else np.nan
-            out.append(f"| {lab} | {len(cs)} | {np.mean(ns):.1f} | {c:.2f} | {r:.2f} | {r - c:+.2f} |")
+            out.append(
+                f"| {lab} | {len(cs)} | {np.mean(ns):.1f} | {c:.2f} | {r:.2f} | {r - c:+.2f} |")
     return "\n".join(out)
 
 
@@ -295,7 +352,9 @@ def build_report(results: str = RESULTS) -> str:
     """results/chains/tables.md and the PNGs from results/chains/runs alone."""
     path = os.path.join(results, "chosen.json")
     ch = json.load(open(path)) if os.path.isfile(path) else {}
-    rename = {f"{lab}-360k": lab for lab in ("grpo", ch.get("best_twice"), ch.get("best_other")) if lab}
+    rename = {
+        f"{lab}-360k": lab for lab in ("grpo", ch.get("best_twice"), ch.get("best_other")) if lab
+    }
     sets = [("Sweep, development seeds 0-2", sweep_labels(), DEV_SEEDS, "sweep")]
     if os.path.isdir(os.path.join(results, "runs")):
         done = sorted(os.listdir(os.path.join(results, "runs")))
@@ -304,9 +363,14 @@ def build_report(results: str = RESULTS) -> str:
         sets[0] = (sets[0][0], sweep_labels() + omega, DEV_SEEDS, "sweep")
     if ch:
         sets += [("Every method, development seeds 0-2", dev_labels(ch), DEV_SEEDS, "dev"),
-                 ("Every method, held-out seeds 10-15, 120k tokens", dev_labels(ch), HELDOUT_SEEDS, "heldout"),
-                 ("Three methods, held-out seeds 10-12, 360k tokens", list(rename), LONG_SEEDS, "long")]
-    lines = ["# Benchmark tables (generated by `python -m lab.benchmark report` from results/chains/runs; do not edit)", ""]
+                 ("Every method, held-out seeds 10-15, 120k tokens", dev_labels(ch), HELDOUT_SEEDS,
+                  "heldout"),
+                 ("Three methods, held-out seeds 10-12, 360k tokens", list(rename), LONG_SEEDS,
+                  "long")]
+    lines = [
+        "# Benchmark tables (generated by `python -m lab.benchmark report` from results/chains/runs; do not edit)",
+        ""
+    ]
     if ch:
         lines += ["Chosen on the development seeds (chosen.json): " + ", ".join(
             f"{k} = {v}" for k, v in sorted(ch.items()) if k not in ("rule", "chosen_at")) +
@@ -314,14 +378,19 @@ def build_report(results: str = RESULTS) -> str:
     for title, labels, seeds, tag in sets:
         runs = collect(labels, seeds, results, need_all=False)
         runs = {rename.get(lab, lab): v for lab, v in runs.items()}
-        walls = [json.load(open(os.path.join(run_dir(lab, s, results), "meta.json")))["wall_s"]
-                 for lab in labels for s in seeds if os.path.isfile(os.path.join(run_dir(lab, s, results),
-                                                                                 "meta.json"))]
-        for stale in glob.glob(os.path.join(results, f"{tag}_seeds*.png")):  # the seeds in its name may have grown
+        walls = [
+            json.load(open(os.path.join(run_dir(lab, s, results), "meta.json")))["wall_s"]
+            for lab in labels for s in seeds
+            if os.path.isfile(os.path.join(run_dir(lab, s, results), "meta.json"))
+        ]
+        # the seeds in its name may have grown
+        for stale in glob.glob(os.path.join(results, f"{tag}_seeds*.png")):
             os.remove(stale)
         lines += section(title, runs, os.path.join(results, f"{tag}_seeds{{seeds}}.png"))
-        lines += [f"{len(walls)} of {len(labels) * len(seeds)} runs done; {sum(walls) / 3600:.2f} h of run time "
-                  "(one thread each, the sum over runs).", ""]
+        lines += [
+            f"{len(walls)} of {len(labels) * len(seeds)} runs done; {sum(walls) / 3600:.2f} h of run time "
+            "(one thread each, the sum over runs).", ""
+        ]
     text = "\n".join(lines)
     os.makedirs(results, exist_ok=True)
     with open(os.path.join(results, "tables.md"), "w") as f:
@@ -332,10 +401,13 @@ def build_report(results: str = RESULTS) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="lab/benchmark.py", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["run", "report", "plan"])
-    parser.add_argument("set", nargs="?", help="sweep, sweep-omega, dev, heldout or long (run, plan)")
+    parser.add_argument("set", nargs="?",
+                        help="sweep, sweep-omega, dev, heldout or long (run, plan)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
-    parser.add_argument("--world", default="", help="the chains world folder (default: configs/chains.cfg's)")
-    parser.add_argument("--scratch", default="runs/benchmark", help="where runs write checkpoints and logs")
+    parser.add_argument("--world", default="",
+                        help="the chains world folder (default: configs/chains.cfg's)")
+    parser.add_argument("--scratch", default="runs/benchmark",
+                        help="where runs write checkpoints and logs")
     parser.add_argument("--results", default=RESULTS, help="the committed outputs' folder")
     a = parser.parse_args(argv)
     if a.command == "report":

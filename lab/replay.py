@@ -1,21 +1,24 @@
-"""Replay one training episode of a run, token for token, and print it readably (`python rollout.py replay`).
+"""Replay one training episode of a run, token for token, and print it readably (`python rollout.py
+replay`).
 
     python rollout.py replay --run runs/twice --step 12 --uid 8034712 --line 3            # the factual episode
     python rollout.py replay --run runs/twice --step 12 --uid 8034712 --line 3 --twins    # and all its twins
     python rollout.py replay --run runs/twice --step 12 --uid 8034712 --line 3 --twin 1   # and its twin at turn 1
 
-Which policy: step N (0-based, as metrics.jsonl and episodes.jsonl count) was rolled out by the policy after N
-updates, which checkpoint.save(cfg, run, N) writes as step_N after step N-1's update; step 0's is the initial model
-(cfg.model). Every later step changed the weights, so no other checkpoint holds that policy: a step without its
-checkpoint is refused, naming the steps that have one. The run's config (the checkpoint's run.json) gives the world,
-the retriever and the protocol; the noise is counter-based (sampler.py: keys from seed, step, uid, line), so the
-episode comes back exactly as sampled.
+Which policy: step N (0-based, as metrics.jsonl and episodes.jsonl count) was rolled out by the
+policy after N updates, which checkpoint.save(cfg, run, N) writes as step_N after step N-1's update;
+step 0's is the initial model (cfg.model). Every later step changed the weights, so no other
+checkpoint holds that policy: a step without its checkpoint is refused, naming the steps that have
+one. The run's config (the checkpoint's run.json) gives the world, the retriever and the protocol;
+the noise is counter-based (sampler.py: keys from seed, step, uid, line), so the episode comes back
+exactly as sampled.
 
-Exactness: the rank's whole batch of step N is regenerated (rollout.step_prompts with the run's rank count: the
-logged `world`, else --world), as training generated it, because batched logits can differ in the last bit with the
-batch around a row; twins go through the method's own twin credit (twice.py) with the predictor state of step_N, so the branch
-draws, the alternatives y' and D are training's. The cost is one rank's rollout of that step. With episodes.jsonl
-holding the episode, the replayed tokens are checked against it (exit status 1 when they differ).
+Exactness: the rank's whole batch of step N is regenerated (rollout.step_prompts with the run's rank
+count: the logged `world`, else --world), as training generated it, because batched logits can
+differ in the last bit with the batch around a row; twins go through the method's own twin credit
+(twice.py) with the predictor state of step_N, so the branch draws, the alternatives y' and D are
+training's. The cost is one rank's rollout of that step. With episodes.jsonl holding the episode,
+the replayed tokens are checked against it (exit status 1 when they differ).
 """
 import os
 import sys
@@ -40,16 +43,19 @@ from sampler import stable_id
 class Replay:
     """Replay an episode of a training run (lab/replay.py's docstring)."""
     run: str = ""                   # the run folder (its step_N checkpoints, episodes.jsonl)
-    step: int = -1                  # the step whose episode to replay (0-based, as metrics.jsonl counts)
+    step: int = -1                  # the step whose episode to replay (0-based, as metrics.jsonl
+    #                                 counts)
     uid: str = ""                   # the episode's uid (episodes.jsonl), or the QA row's id
     line: int = 0                   # the line inside its group (0 .. group_size - 1)
     twin: int = -1                  # also the twins branched at this turn (-1: none)
     twins: bool = False             # also every twin of the episode
-    world: int = 0                  # processes the run had (0: the logged episode's `world`, else 1)
+    world: int = 0                  # processes the run had (0: the logged episode's `world`, else
+    #                                 1)
 
     def checks(self):
         return [("run", os.path.isdir(self.run), "a run folder"), ("step", self.step >= 0, ">= 0"),
-                ("uid", bool(self.uid), "given"), ("line", self.line >= 0, ">= 0"), ("world", self.world >= 0, ">= 0")]
+                ("uid", bool(self.uid), "given"), ("line", self.line >= 0, ">= 0"),
+                ("world", self.world >= 0, ">= 0")]
 
 
 def policy_of(run_dir: str, step: int) -> tuple:
@@ -61,38 +67,53 @@ def policy_of(run_dir: str, step: int) -> tuple:
     if step == 0 and have:  # the initial policy: the run's cfg.model, loaded as setup() loads it
         state = checkpoint.read_state(os.path.join(run_dir, f"step_{have[0]:06d}"))
         return state["config"]["model"], {**state, "predictor": None, "token_predictor": None}
-    raise ValueError(f"{run_dir}: step {step} has no checkpoint step_{step:06d} (its policy is the one after {step} "
-                     f"updates; every other checkpoint holds another): checkpoints exist for steps "
-                     f"{', '.join(map(str, have)) or '(none)'}; keep_checkpoints=0 and save_every=1 keep every step")
+    raise ValueError(
+        f"{run_dir}: step {step} has no checkpoint step_{step:06d} (its policy is the one after {step} "
+        f"updates; every other checkpoint holds another): checkpoints exist for steps "
+        f"{', '.join(map(str, have)) or '(none)'}; keep_checkpoints=0 and save_every=1 keep every step"
+    )
 
 
 def logged(run_dir: str, step: int, uid: int, line: int):
     path = os.path.join(run_dir, "episodes.jsonl")
     rows = checkpoint.read_metrics(path) if os.path.exists(path) else []
-    return next((row for _, row in rows if (row["step"], row["uid"], row["line"]) == (step, uid, line)), None)
+    return next((row
+                 for _, row in rows if (row["step"], row["uid"], row["line"]) == (step, uid, line)),
+                None)
 
 
 def regenerate(cfg, policy, tok, retriever, rows, step: int, uid: int, world: int, state):
-    """The rank's factual batch of `step` holding uid, and (TWIN_METHODS) twin_credit's twins of it."""
-    ranks = [r for r in range(world) if uid in {ep.uid for ep in rollout.start_episodes(
-        tok, rollout.step_prompts(rows, cfg.prompts_per_step, cfg.seed, step, r, world), cfg.seed, step, 1)}]
+    """The rank's factual batch of `step` holding uid, and (TWIN_METHODS) twin_credit's twins of it.
+    """
+    ranks = [
+        r for r in range(world) if uid in {
+            ep.uid for ep in rollout.start_episodes(
+                tok, rollout.step_prompts(rows, cfg.prompts_per_step, cfg.seed, step, r, world),
+                cfg.seed, step, 1)
+        }
+    ]
     if not ranks:
-        raise ValueError(f"uid {uid} is not among step {step}'s prompts (seed {cfg.seed}, {world} rank(s))")
+        raise ValueError(
+            f"uid {uid} is not among step {step}'s prompts (seed {cfg.seed}, {world} rank(s))")
     prompts = rollout.step_prompts(rows, cfg.prompts_per_step, cfg.seed, step, ranks[0], world)
     proto = protocol.protocol_from(cfg)
-    sampler = weights.sampling_copy(policy, torch.bfloat16 if cfg.bf16 else None)  # the weights train_step samples from
+    # the weights train_step samples from
+    sampler = weights.sampling_copy(policy, torch.bfloat16 if cfg.bf16 else None)
     with torch.no_grad():
-        episodes = rollout.run_episodes(sampler, tok, retriever,
-                                        rollout.start_episodes(tok, prompts, cfg.seed, step, cfg.group_size), proto)
+        episodes = rollout.run_episodes(
+            sampler, tok, retriever,
+            rollout.start_episodes(tok, prompts, cfg.seed, step, cfg.group_size), proto)
         twins = []
         if cfg.method in methods.TWIN_METHODS:
-            run = SimpleNamespace(accel=SimpleNamespace(num_processes=1, unwrap_model=lambda m: m), policy=policy,
-                                  sampler=sampler,
-                                  tok=tok, retriever=retriever, method=methods.make(cfg),
-                                  predictor=credit.DiscordancePredictor(),
-                                  token_predictor=credit.DiscordancePredictor(features=forks.TOKEN_FEATURES),
-                                  sigma_hat=credit.RunningScale(cfg.scale_decay, cfg.twin_scale))
-            for name in ("predictor", "token_predictor"):  # the branch draws and fork laws of step N
+            run = SimpleNamespace(
+                accel=SimpleNamespace(num_processes=1, unwrap_model=lambda m: m), policy=policy,
+                sampler=sampler, tok=tok, retriever=retriever, method=methods.make(cfg),
+                predictor=credit.DiscordancePredictor(),
+                token_predictor=credit.DiscordancePredictor(
+                    features=forks.TOKEN_FEATURES), sigma_hat=credit.RunningScale(
+                        cfg.scale_decay, cfg.twin_scale))
+            # the branch draws and fork laws of step N
+            for name in ("predictor", "token_predictor"):
                 if state.get(name):
                     getattr(run, name).load_state_dict(state[name])
             batch = rollout.collate(episodes, tok.pad_token_id, cfg.max_context)
@@ -101,12 +122,16 @@ def regenerate(cfg, policy, tok, retriever, rows, step: int, uid: int, world: in
 
 
 def show(ep, twins) -> str:
-    """The episode as text: each turn's action and text, retrieved ids, reward; then each twin, its y' and D."""
-    out = [f"uid {ep.uid} line {ep.line} | reward {ep.reward} | answer {ep.answer!r} | {len(ep.ids)} response tokens",
-           f"question: {ep.question}"]
+    """The episode as text: each turn's action and text, retrieved ids, reward; then each twin, its
+    y' and D."""
+    out = [
+        f"uid {ep.uid} line {ep.line} | reward {ep.reward} | answer {ep.answer!r} | {len(ep.ids)} response tokens",
+        f"question: {ep.question}"
+    ]
     for t, turn in enumerate(ep.turns):
-        out.append(f"--- turn {t}: {turn.action or 'invalid'} {turn.content!r} ({turn.end - turn.start} tokens, "
-                   f"stop {turn.stop})")
+        out.append(
+            f"--- turn {t}: {turn.action or 'invalid'} {turn.content!r} ({turn.end - turn.start} tokens, "
+            f"stop {turn.stop})")
         out.append(turn.text)
         if turn.doc_ids:
             out.append(f"    retrieved: {', '.join(turn.doc_ids)}")
@@ -114,46 +139,57 @@ def show(ep, twins) -> str:
         alt = tw.twin.turns[tw.turn]
         at = ep.turns[tw.turn].start + (tw.k or 0)
         fork = "" if tw.k is None else f" token {tw.k} (id {ep.ids[at]} -> {tw.twin.ids[at]})"
-        out.append(f"=== twin at turn {tw.turn}{fork} (j={tw.j}): {tw.kind} | y' = {alt.action or 'invalid'} "
-                   f"{alt.content!r} | U' {tw.outcome} | D = U - U' = {tw.diff}")
+        out.append(
+            f"=== twin at turn {tw.turn}{fork} (j={tw.j}): {tw.kind} | y' = {alt.action or 'invalid'} "
+            f"{alt.content!r} | U' {tw.outcome} | D = U - U' = {tw.diff}")
         out.append(alt.text)
         out += [f"    retrieved: {', '.join(alt.doc_ids)}"] if alt.doc_ids else []
-        out += [f"    then: {u.action or 'invalid'} {u.content!r}" for u in tw.twin.turns[tw.turn + 1:]]
+        out += [
+            f"    then: {u.action or 'invalid'} {u.content!r}" for u in tw.twin.turns[tw.turn + 1:]
+        ]
     return "\n".join(out)
 
 
 def load_lora(cfg, adapter: str, device):
-    """(policy, tokenizer) as a LoRA run's setup() builds them: the base from cfg.model in base_dtype, then the
-    adapter saved at `adapter` (a step_N/policy folder), or a fresh one (B = 0: the initial policy) when ''."""
+    """(policy, tokenizer) as a LoRA run's setup() builds them: the base from cfg.model in
+    base_dtype, then the adapter saved at `adapter` (a step_N/policy folder), or a fresh one (B = 0:
+    the initial policy) when ''."""
     policy, tok = qa_eval.load_policy(cfg.model, device, lora.base_dtype(cfg))
     torch.manual_seed(cfg.seed)
     return lora.attach(policy, cfg, adapter).get_base_model().eval(), tok
 
 
 def replay(opts: Replay) -> int:
-    """Print the episode (and the twins asked for); 1 when episodes.jsonl logged it with other tokens."""
+    """Print the episode (and the twins asked for); 1 when episodes.jsonl logged it with other
+    tokens."""
     uid = int(opts.uid) if opts.uid.lstrip("-").isdigit() else stable_id(opts.uid)
     path, state = policy_of(opts.run, opts.step)
     known = {f for f in tt.Config.__dataclass_fields__}
     cfg = tt.Config(**{k: v for k, v in state["config"].items() if k in known})
     if type(methods.make(cfg)).rollout is not twice.Method.rollout:  # ARPO's and Tree-GRPO's trees
-        raise ValueError(f"method {cfg.method} samples its own trees (methods/baselines.py): replay regenerates the factual "
-                         "episode loop of grpo, twice and the methods that share it")
-    trained = [r["step"] for _, r in checkpoint.read_metrics(os.path.join(opts.run, "metrics.jsonl"))
-               if not r.get("final")] if os.path.exists(os.path.join(opts.run, "metrics.jsonl")) else []
+        raise ValueError(
+            f"method {cfg.method} samples its own trees (methods/baselines.py): replay regenerates the factual "
+            "episode loop of grpo, twice and the methods that share it")
+    trained = [
+        r["step"] for _, r in checkpoint.read_metrics(os.path.join(opts.run, "metrics.jsonl"))
+        if not r.get("final")
+    ] if os.path.exists(os.path.join(opts.run, "metrics.jsonl")) else []
     if opts.step not in trained:
-        raise ValueError(f"{opts.run}: step {opts.step} was not trained in this run (metrics.jsonl has steps "
-                         f"{min(trained, default='-')}..{max(trained, default='-')})")
+        raise ValueError(
+            f"{opts.run}: step {opts.step} was not trained in this run (metrics.jsonl has steps "
+            f"{min(trained, default='-')}..{max(trained, default='-')})")
     row = logged(opts.run, opts.step, uid, opts.line)
     world = opts.world or (row or {}).get("world", 1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.lora_rank:  # the base as setup() loads it, with step_N's adapter (step 0: a fresh one, B = 0)
+    # the base as setup() loads it, with step_N's adapter (step 0: a fresh one, B = 0)
+    if cfg.lora_rank:
         policy, tok = load_lora(cfg, path if opts.step else "", device)
     else:
-        policy, tok = qa_eval.load_policy(path, device, torch.float32 if opts.step == 0 else None)  # setup's / saved
+        # setup's / saved
+        policy, tok = qa_eval.load_policy(path, device, torch.float32 if opts.step == 0 else None)
     retriever = qa_eval.load_retriever(cfg.index, cfg.retriever_url)
-    episodes, twins = regenerate(cfg, policy, tok, retriever, qa_eval.load_qa(cfg.train_data), opts.step, uid, world,
-                                 state)
+    episodes, twins = regenerate(cfg, policy, tok, retriever, qa_eval.load_qa(cfg.train_data),
+                                 opts.step, uid, world, state)
     ep = next((e for e in episodes if (e.uid, e.line) == (uid, opts.line)), None)
     if ep is None:
         raise ValueError(f"uid {uid} has no line {opts.line} (group_size {cfg.group_size})")
@@ -163,8 +199,8 @@ def replay(opts: Replay) -> int:
     if row is None:
         print("(not in episodes.jsonl: nothing to check against)")
         return 0
-    same = row["ids"] == ep.ids and all(any(t["ids"] == checkpoint.twin_tokens(ep, tw) for t in row["twins"])
-                                        for tw in mine)
+    same = row["ids"] == ep.ids and all(
+        any(t["ids"] == checkpoint.twin_tokens(ep, tw) for t in row["twins"]) for tw in mine)
     print("tokens identical to episodes.jsonl" if same else "tokens DIFFER from episodes.jsonl")
     return 0 if same else 1
 

@@ -20,7 +20,6 @@ import time
 
 import numpy as np
 
-import credit
 import protocol
 import rollout
 import sampler

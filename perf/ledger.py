@@ -1,5 +1,6 @@
-"""The memory ledger: peak GPU bytes of one training step per rank, per phase and category, at the presets' real shapes
-and batch sizes (DESIGN.md section 10), derived from the code rather than written down.
+"""The memory ledger: peak GPU bytes of one training step per rank, per phase and category, at the
+presets' real shapes and batch sizes (DESIGN.md section 10), derived from the code rather than
+written down.
 
   python -m perf.ledger                                   # both presets: per-phase peaks and the fit against 80 GiB
   python -m perf.ledger configs/qwen2.5-3b.cfg --json F   # one preset, the whole ledger as JSON
@@ -9,29 +10,35 @@ and batch sizes (DESIGN.md section 10), derived from the code rather than writte
   python -m perf.bench memory ...                         # the same command
 
 Where every figure comes from:
-  1. A probe run: the real `train_twice.train_step` (rollout, twins, log-prob passes, update, optimizer step) at the
-     preset's per-rank batch (prompts_per_step / 8 prompts x group_size lines, its gen_batch_size, micro-batches,
-     twin budget and chunks), on a model of the preset's layers (at most 12) and tiny widths in the preset's dtypes,
-     driven by a scripted agent whose turns have the stated Search-R1-like lengths (memprobe.SCRIPTS), the engine
-     sized as on CUDA (its slot cache at max_context + 1 positions). memtrack.Tracker counts every live storage by
-     owner (the function that allocated it: the slot cache, the prefill's batch, a KV entry, the model's forward,
-     the optimizer ...) and kind (keys/values, hidden states, other); the shapes of its forwards are kept.
-  2. Scaling: keys and values scale to the preset by its KV bytes per token over the probe's (layers x kv heads x
-     head dim x dtype), hidden states by hidden size x dtype; tensors of no model width (masks, token ids, log-probs)
-     are counted as they are. The peak of each phase is taken on the scaled total. The slot cache so scaled is
-     kvcache.cache_bytes at the preset (recorded as slot_cache_gib; a test checks it).
-  3. Activations: the preset-size model (QWEN, the Qwen2.5 configs, no download) under FakeTensorMode, no memory
-     behind it: each prefill bucket, the decode step (the engine's kvcache.Decoder step: forward, keyed draw with
-     CUDA's top-p bisection, stop decision), reads off stored hidden states, the largest log-prob micro-batch and
-     update micro-batch (forward and backward, gradient checkpointing), through the same functions; a prefill's or
-     decode step's is held in the probe while that forward runs, so each phase peaks where the full-size run would.
-  4. Parameters and optimizer: counted on the fake model; AdamW's step on the rank's fp32 partition run under
-     FakeTensorMode; the ZeRO-2 layout of DeepSpeed 0.19.8 (zero2_static) from configs/deepspeed_zero2.json; with
-     lora_rank > 0 (`--set lora_rank=16`), LoRA's layout under DDP from lora.memory_bytes (lora_static).
-  5. Outside torch's allocator, estimates a GPU must confirm (perf/gpucheck.py measures them): the CUDA context and NCCL,
-     the retriever server's index shard on the same GPU, allocator slack.
+  1. A probe run: the real `train_twice.train_step` (rollout, twins, log-prob passes, update,
+     optimizer step) at the preset's per-rank batch (prompts_per_step / 8 prompts x group_size
+     lines, its gen_batch_size, micro-batches, twin budget and chunks), on a model of the preset's
+     layers (at most 12) and tiny widths in the preset's dtypes, driven by a scripted agent whose
+     turns have the stated Search-R1-like lengths (memprobe.SCRIPTS), the engine sized as on CUDA
+     (its slot cache at max_context + 1 positions). memtrack.Tracker counts every live storage by
+     owner (the function that allocated it: the slot cache, the prefill's batch, a KV entry, the
+     model's forward, the optimizer ...) and kind (keys/values, hidden states, other); the shapes of
+     its forwards are kept.
+  2. Scaling: keys and values scale to the preset by its KV bytes per token over the probe's (layers
+     x kv heads x head dim x dtype), hidden states by hidden size x dtype; tensors of no model width
+     (masks, token ids, log-probs) are counted as they are. The peak of each phase is taken on the
+     scaled total. The slot cache so scaled is kvcache.cache_bytes at the preset (recorded as
+     slot_cache_gib; a test checks it).
+  3. Activations: the preset-size model (QWEN, the Qwen2.5 configs, no download) under
+     FakeTensorMode, no memory behind it: each prefill bucket, the decode step (the engine's
+     kvcache.Decoder step: forward, keyed draw with CUDA's top-p bisection, stop decision), reads
+     off stored hidden states, the largest log-prob micro-batch and update micro-batch (forward and
+     backward, gradient checkpointing), through the same functions; a prefill's or decode step's is
+     held in the probe while that forward runs, so each phase peaks where the full-size run would.
+  4. Parameters and optimizer: counted on the fake model; AdamW's step on the rank's fp32 partition
+     run under FakeTensorMode; the ZeRO-2 layout of DeepSpeed 0.19.8 (zero2_static) from
+     configs/deepspeed_zero2.json; with lora_rank > 0 (`--set lora_rank=16`), LoRA's layout under
+     DDP from lora.memory_bytes (lora_static).
+  5. Outside torch's allocator, estimates a GPU must confirm (perf/gpucheck.py measures them): the
+     CUDA context and NCCL, the retriever server's index shard on the same GPU, allocator slack.
 
-What it does not know: how long real turns are (SCRIPTS states the assumption; `--script long` is the stress case).
+What it does not know: how long real turns are (SCRIPTS states the assumption; `--script long` is
+the stress case).
 """
 import argparse
 import functools
@@ -53,8 +60,8 @@ import train_twice as tt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 GIB = 2 ** 30
 PHASES = ("rollout", "twins", "logprobs", "update", "optimizer_step")
-CATEGORIES = ("weights", "gradients", "optimizer", "reference", "kv_entries", "decode_batch", "activations",
-              "retriever", "context", "slack")
+CATEGORIES = ("weights", "gradients", "optimizer", "reference", "kv_entries", "decode_batch",
+              "activations", "retriever", "context", "slack")
 QWEN = {  # config.json of Qwen/Qwen2.5-3B and -7B (the fields that set sizes)
     "3b": dict(vocab_size=151_936, hidden_size=2048, intermediate_size=11_008, num_hidden_layers=36,
                num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32_768,
@@ -67,11 +74,12 @@ QWEN = {  # config.json of Qwen/Qwen2.5-3B and -7B (the fields that set sizes)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Full-size passes on fake tensors (no memory behind them): activations, parameters, the optimizer's step
+# Full-size passes on fake tensors (no memory behind them): activations, parameters, the optimizer's
+# step
 
 def fake_mode(selected=()):
-    """(FakeTensorMode, a mode answering aten.nonzero with `selected` rows: the number of scored positions is data,
-    which fake tensors do not have)."""
+    """(FakeTensorMode, a mode answering aten.nonzero with `selected` rows: the number of scored
+    positions is data, which fake tensors do not have)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -100,23 +108,29 @@ FORWARD = engine._forward  # the engine's own, whatever a probe run has wrapped 
 
 
 def _start(tracker):
-    """The measured pass begins: what was set up for it (the model, its inputs, a cache) no longer counts."""
+    """The measured pass begins: what was set up for it (the model, its inputs, a cache) no longer
+    counts."""
     tracker.tag_all("other/other")
     return tracker.phase("pass")
 
 
 def _measure(dims, fn, selected=()) -> dict:
-    """Peak of the activations while fn(tracker) runs on fake tensors: {"peak": bytes, ...}. What no function of
-    memprobe.OWNED claims counts as activations here; any mode already running (a probe's tracker, when a probe asks
+    """Peak of the activations while fn(tracker) runs on fake tensors: {"peak": bytes, ...}. What no
+    function of memprobe.OWNED claims counts as activations here; any mode already running (a
+    probe's tracker, when a probe asks
     for a pass) is set aside meanwhile."""
     from torch.utils._python_dispatch import _disable_current_modes
     fake, nonzero = fake_mode(selected)
     stack = ["activations"]
-    scale = {f"{o}/{k}": float(o == "activations") for o in ("activations", "decode_batch", "kv_entries", "other",
-             "weights", "reference", "gradients", "optimizer") for k in ("kv", "hidden", "other")}
+    scale = {
+        f"{o}/{k}": float(o == "activations")
+        for o in ("activations", "decode_batch", "kv_entries", "other", "weights", "reference",
+                  "gradients", "optimizer") for k in ("kv", "hidden", "other")
+    }
     tracker = memtrack.Tracker(memprobe.classifier(dims, stack), scale=scale)
-    # sampler's table of Weyl sequences is filled on first use: a fake pass fills a fresh one (a fake tensor left in
-    # the real table would be what every later real draw over that vocabulary reads)
+    # sampler's table of Weyl sequences is filled on first use: a fake pass fills a fresh one (a
+    # fake tensor left in the real table would be what every later real draw over that vocabulary
+    # reads)
     with _disable_current_modes(), memprobe.patched(sampler, "_WEYL", {}), fake, nonzero, tracker, \
             memprobe.owners(stack):
         out = fn(tracker) or {}
@@ -124,15 +138,17 @@ def _measure(dims, fn, selected=()) -> dict:
 
 
 def _cuda_floor(l, top_p: float):
-    """sampler._nucleus_floor as on CUDA (the bisection: fixed shapes, no host sync), which fake tensors can run."""
+    """sampler._nucleus_floor as on CUDA (the bisection: fixed shapes, no host sync), which fake
+    tensors can run."""
     e = torch.exp(l - l.amax(-1, keepdim=True))
     return sampler._bisect_floor(l, e, e.sum(-1, keepdim=True) * top_p)
 
 
 def decode_activations(dims, dtype, cfg, rows, width) -> int:
-    """One decode step of `rows` rows attending over `width` cached positions: the engine's fixed-shape step
-    (kvcache.Decoder._step: the forward through the slot cache, the keyed draw, the stop decision), top-p read as
-    CUDA reads it. The slot cache itself is the decode batch's, not counted here."""
+    """One decode step of `rows` rows attending over `width` cached positions: the engine's
+    fixed-shape step (kvcache.Decoder._step: the forward through the slot cache, the keyed draw, the
+    stop decision), top-p read as CUDA reads it. The slot cache itself is the decode batch's, not
+    counted here."""
     def fn(tracker):
         model = fake_model(dims, dtype).eval()
         cache = kvcache.SlotCache(model.config, rows, width + 1, dtype, "cpu", hidden=True)
@@ -140,40 +156,48 @@ def decode_activations(dims, dtype, cfg, rows, width) -> int:
         tables = (torch.zeros(vocab, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool),
                   torch.zeros(vocab, dtype=torch.bool))  # one stop-automaton state: no row stops
         sample = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, fused=False)
-        dec = kvcache.Decoder(cache, rows, lambda ids, mask, pos, c: FORWARD(model, ids, {"full_attention": mask},
-                                                                            pos, c),
-                              tables, sample, cfg.sync_every, False, "sdpa")
+        dec = kvcache.Decoder(
+            cache, rows,
+            lambda ids, mask, pos, c: FORWARD(model, ids, {"full_attention": mask}, pos, c), tables,
+            sample, cfg.sync_every, False, "sdpa")
         dec.pos.fill_(width)
         dec.live.fill_(True)
         dec.budget.fill_(cfg.max_context)
-        with torch.no_grad(), memprobe.patched(sampler, "_nucleus_floor", _cuda_floor), _start(tracker):
+        with torch.no_grad(), memprobe.patched(sampler, "_nucleus_floor",
+                                               _cuda_floor), _start(tracker):
             dec._step(rows, rows, width + 1)
     return _measure(dims, fn)["peak"]
 
 
 def head_activations(dims, dtype, cfg, rows) -> int:
-    """`rows` draws read off stored final hidden states (engine._track: a twin's first tokens, a self-twin): the LM
-    head over (rows, hidden) and the keyed draw over the vocabulary."""
+    """`rows` draws read off stored final hidden states (engine._track: a twin's first tokens, a
+    self-twin): the LM head over (rows, hidden) and the keyed draw over the vocabulary."""
     def fn(tracker):
         model = fake_model(dims, dtype).eval()
         states = torch.zeros((rows, dims["hidden_size"]), dtype=dtype)
         keys, steps = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
-        with torch.no_grad(), memprobe.patched(sampler, "_nucleus_floor", _cuda_floor), _start(tracker):
-            sampler.keyed_draw(engine._logits(model, states), keys, steps, cfg.temperature, cfg.top_k, cfg.top_p)
+        with torch.no_grad(), memprobe.patched(sampler, "_nucleus_floor",
+                                               _cuda_floor), _start(tracker):
+            sampler.keyed_draw(engine._logits(model, states), keys, steps, cfg.temperature,
+                               cfg.top_k, cfg.top_p)
     return _measure(dims, fn)["peak"]
 
 
 def prefill_activations(dims, dtype, rows, span, width) -> int:
-    """One prefill bucket: `rows` suffixes of `span` tokens over `width` cached ones (the cache is the batch's)."""
+    """One prefill bucket: `rows` suffixes of `span` tokens over `width` cached ones (the cache is
+    the batch's)."""
     from transformers import DynamicCache
 
     def fn(tracker):
         model = fake_model(dims, dtype).eval()
         head_dim = dims["hidden_size"] // dims["num_attention_heads"]
         kv = (rows, dims["num_key_value_heads"], width, head_dim)
-        cache = DynamicCache(ddp_cache_data=[(torch.zeros(kv, dtype=dtype), torch.zeros(kv, dtype=dtype))
-                                             for _ in range(dims["num_hidden_layers"])]) if width else DynamicCache()
-        ids, mask = torch.zeros((rows, span), dtype=torch.long), torch.ones((rows, width + span), dtype=torch.long)
+        cache = DynamicCache(ddp_cache_data=[(torch.zeros(kv, dtype=dtype),
+                                              torch.zeros(kv, dtype=dtype))
+                                             for _ in range(dims["num_hidden_layers"])
+                                             ]) if width else DynamicCache()
+        ids, mask = torch.zeros((rows, span), dtype=torch.long), torch.ones((rows, width + span),
+                                                                            dtype=torch.long)
         pos = torch.arange(width, width + span).expand(rows, span)
         with torch.no_grad(), _start(tracker):
             FORWARD(model, ids, mask, pos, cache)
@@ -181,11 +205,13 @@ def prefill_activations(dims, dtype, rows, span, width) -> int:
 
 
 def logprob_activations(dims, dtype, cfg, rows, width, scored, autocast=False) -> int:
-    """One micro-batch of the old-policy / reference pass (no gradient): log-probs and entropies at `scored`
-    positions. autocast: bf16 autocast over fp32 weights (its cached weight casts count)."""
+    """One micro-batch of the old-policy / reference pass (no gradient): log-probs and entropies at
+    `scored` positions. autocast: bf16 autocast over fp32 weights (its cached weight casts count).
+    """
     def fn(tracker):
         model = fake_model(dims, dtype).eval()
-        ids, mask = torch.zeros((rows, width), dtype=torch.long), torch.ones((rows, width), dtype=torch.long)
+        ids, mask = torch.zeros((rows, width), dtype=torch.long), torch.ones((rows, width),
+                                                                             dtype=torch.long)
         cast = torch.autocast("cpu", torch.bfloat16, enabled=autocast)
         with torch.no_grad(), cast, _start(tracker):
             logprobs.token_logprobs(model, ids, mask, cfg.temperature, True, mask[:, 1:].bool())
@@ -193,19 +219,21 @@ def logprob_activations(dims, dtype, cfg, rows, width, scored, autocast=False) -
 
 
 def update_pass(dims, dtype, cfg, rows, width, scored, autocast=False) -> dict:
-    """One micro-batch of the update: forward with the entropy if the loss has it, PPO loss, backward (gradient
-    checkpointing as configured). {"activations": peak bytes, "gradients": the parameters' gradients}."""
+    """One micro-batch of the update: forward with the entropy if the loss has it, PPO loss,
+    backward (gradient checkpointing as configured). {"activations": peak bytes, "gradients": the
+    parameters' gradients}."""
     out = {}
 
     def fn(tracker):
         model = fake_model(dims, dtype, cfg.gradient_checkpointing).train()
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients/other"))
-        ids, mask = torch.zeros((rows, width), dtype=torch.long), torch.ones((rows, width), dtype=torch.long)
+        ids, mask = torch.zeros((rows, width), dtype=torch.long), torch.ones((rows, width),
+                                                                             dtype=torch.long)
         old = torch.zeros((rows, width - 1))
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast), _start(tracker):
-            lp, ent = logprobs.token_logprobs(model, ids, mask, cfg.temperature, cfg.entropy_coef > 0,
-                                              mask[:, 1:].bool())
+            lp, ent = logprobs.token_logprobs(model, ids, mask, cfg.temperature, cfg.entropy_coef
+                                              > 0, mask[:, 1:].bool())
             loss, _, _ = tt.ppo_loss(cfg, lp, old, old, old, old, ent)
             loss.sum().backward()
         out["gradients"] = tracker.bytes["gradients/other"]
@@ -213,8 +241,9 @@ def update_pass(dims, dtype, cfg, rows, width, scored, autocast=False) -> dict:
 
 
 def adamw_step(cfg, numels, dtype=torch.float32) -> dict:
-    """AdamW's step (torch's, as train_twice builds it) on parameters of these sizes, each with a gradient:
-    {"state": bytes kept after it, "peak": bytes above the parameters and gradients while it runs}."""
+    """AdamW's step (torch's, as train_twice builds it) on parameters of these sizes, each with a
+    gradient: {"state": bytes kept after it, "peak": bytes above the parameters and gradients while
+    it runs}."""
     fake, _ = fake_mode()
     tracker = memtrack.Tracker(scale={"optimizer/other": 1.0, "other/other": 0.0})
     stack = []
@@ -233,64 +262,74 @@ def adamw_step(cfg, numels, dtype=torch.float32) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 # Parameters, gradients and optimizer state by strategy; what lives outside torch's allocator
 
-WIKI18 = (21_015_324, 768)     # wiki-18 passages x E5 dims: the flat index the retriever server shards over the GPUs
-SERVER_GIB = {"temp": 0.5, "context": 0.5, "encoder": 0.5}  # the server's FAISS scratch (dense.FAISS_TEMP), its
-#                                CUDA context on each GPU and E5 on the first: estimates (perf/gpucheck.py measures)
-CONTEXT_GIB = 1.5              # the training process's CUDA context, cuBLAS workspaces and NCCL buffers: estimate
-SLACK = 0.05                   # allocator: reserved but not allocated, with expandable segments: estimate
+# wiki-18 passages x E5 dims: the flat index the retriever server shards over the GPUs
+WIKI18 = (21_015_324, 768)
+# the server's FAISS scratch (dense.FAISS_TEMP), its CUDA context on each GPU and E5 on the first:
+# estimates (perf/gpucheck.py measures)
+SERVER_GIB = {"temp": 0.5, "context": 0.5, "encoder": 0.5}
+# the training process's CUDA context, cuBLAS workspaces and NCCL buffers: estimate
+CONTEXT_GIB = 1.5
+# allocator: reserved but not allocated, with expandable segments: estimate
+SLACK = 0.05
 
 
 def zero2_static(params: int, largest: int, world: int, adam: dict, ds: dict) -> dict:
-    """{phase: {category: bytes}} of DeepSpeed ZeRO-2 with bf16 (stage_1_and_2.py of DeepSpeed 0.19.8), as measured on
-    CPU ranks (zero2_measure: every coefficient below matched it, the update's as an upper bound): the module in
-    bf16, replicated; the fp32 master partition and AdamW's two moments on 1/world of the parameters (adam: its step
-    measured on the partition); in the update two bf16 copies of the rank's partition gradients with a parameter
-    straddling its edge (the previous micro-batches' sum and the new one, added at the end of each backward), the
-    reduction buckets (two of reduce_bucket_size elements when overlap_comm) and one parameter's gradient on its
-    way into a bucket; in the step the partition's gradients in bf16, their flat copy and fp32 conversion, then the
-    fp32 gradients beside AdamW's temporaries."""
+    """{phase: {category: bytes}} of DeepSpeed ZeRO-2 with bf16 (stage_1_and_2.py of DeepSpeed
+    0.19.8), as measured on CPU ranks (zero2_measure: every coefficient below matched it, the
+    update's as an upper bound): the module in bf16, replicated; the fp32 master partition and
+    AdamW's two moments on 1/world of the parameters (adam: its step measured on the partition); in
+    the update two bf16 copies of the rank's partition gradients with a parameter straddling its
+    edge (the previous micro-batches' sum and the new one, added at the end of each backward), the
+    reduction buckets (two of reduce_bucket_size elements when overlap_comm) and one parameter's
+    gradient on its way into a bucket; in the step the partition's gradients in bf16, their flat
+    copy and fp32 conversion, then the fp32 gradients beside AdamW's temporaries."""
     part = -(-params // world)
     zero = ds["zero_optimization"]
     buckets = (2 if zero.get("overlap_comm") else 1) * int(zero.get("reduce_bucket_size", 5e8)) * 2
     optimizer = 4 * part + adam["state"]
     out = {}
     for phase in PHASES:
-        grads = {"update": 2 * 2 * (part + largest) + buckets + 2 * largest,
-                 "optimizer_step": max(2 * part + 2 * part + 4 * part, 4 * part + adam["peak"] - adam["state"])
-                 }.get(phase, 0)
+        grads = {
+            "update": 2 * 2 * (part + largest) + buckets + 2 * largest, "optimizer_step": max(
+                2 * part + 2 * part + 4 * part, 4 * part + adam["peak"] - adam["state"])
+        }.get(phase, 0)
         out[phase] = {"weights": 2 * params, "optimizer": optimizer, "gradients": grads}
     return out
 
 
 def zero2_measure(bucket: int = 100_000) -> dict:
-    """DeepSpeed ZeRO-2 (bf16, overlap_comm, torch's AdamW) on CPU ranks (gloo) with a small Qwen2, two steps of two
-    micro-batches: the storages DeepSpeed allocates, steady, at the second step's backward peak and at its optimizer
-    step, beside zero2_static's prediction. Needs deepspeed (requirements-gpu.txt) and `DS_ACCELERATOR=cpu torchrun
-    --nproc_per_node 2 perf/ledger.py --zero2-measure`."""
+    """DeepSpeed ZeRO-2 (bf16, overlap_comm, torch's AdamW) on CPU ranks (gloo) with a small Qwen2,
+    two steps of two micro-batches: the storages DeepSpeed allocates, steady, at the second step's
+    backward peak and at its optimizer step, beside zero2_static's prediction. Needs deepspeed
+    (requirements-gpu.txt) and `DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 perf/ledger.py
+    --zero2-measure`."""
     import sys
     import deepspeed
     from transformers import Qwen2Config, Qwen2ForCausalLM
     deepspeed.init_distributed(dist_backend="gloo")
     world = torch.distributed.get_world_size()
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
     numels = [p.numel() for p in model.parameters()]
     ds = {"zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                                 "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
           "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
           "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9}
 
-    def owner(t):  # ZeRO's own storages: not the forward's, nor the backward's that engine.backward runs
+    # ZeRO's own storages: not the forward's, nor the backward's that engine.backward runs
+    def owner(t):
         f = sys._getframe(2)
-        while f is not None and not any(part in f.f_code.co_filename for part in ("/deepspeed/", "/transformers/")):
+        while f is not None and not any(part in f.f_code.co_filename
+                                        for part in ("/deepspeed/", "/transformers/")):
             f = f.f_back
         return "deepspeed" if f is not None and "/deepspeed/runtime/zero/" in f.f_code.co_filename else "other"
     tracker = memtrack.Tracker(owner, block=1, scale={"other": 0.0})
     ids = torch.randint(0, 1000, (2, 64))
     with tracker:
-        engine_, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                                config=ds)
+        engine_, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(
+            model.parameters()), config=ds)
         for step in range(2):
             for micro in range(2):
                 with tracker.phase(f"update{step}"):
@@ -299,17 +338,23 @@ def zero2_measure(bucket: int = 100_000) -> dict:
                     engine_.step()
         steady = tracker.total
     cfg = tt.Config()
-    pred = zero2_static(sum(numels), max(numels), world, adamw_step(cfg, [-(-sum(numels) // world)]), ds)
-    return {"world": world, "params": sum(numels), "steady": steady, "update": tracker.peaks["update1"]["total"],
-            "step": tracker.peaks["step1"]["total"],
-            "predicted": {k: sum(pred[p].values()) for k, p in (("steady", "rollout"), ("update", "update"),
-                                                                ("step", "optimizer_step"))}}
+    pred = zero2_static(sum(numels), max(numels), world, adamw_step(cfg,
+                                                                    [-(-sum(numels) // world)]), ds)
+    return {
+        "world": world, "params": sum(numels), "steady": steady,
+        "update": tracker.peaks["update1"]["total"], "step": tracker.peaks["step1"]["total"],
+        "predicted": {
+            k: sum(pred[p].values())
+            for k, p in (("steady", "rollout"), ("update", "update"), ("step", "optimizer_step"))
+        }
+    }
 
 
 def plain_static(params: int, adam: dict, grads: int, sampling: int) -> dict:
-    """{phase: {category: bytes}} of one process (or DDP without its buckets) holding fp32 weights, the sampling
-    copy while episodes are drawn (sampling: its bytes, 0 without bf16), fp32 gradients from the update to the end
-    of the step (zero_grad(set_to_none)), AdamW's state and its step's temporaries."""
+    """{phase: {category: bytes}} of one process (or DDP without its buckets) holding fp32 weights,
+    the sampling copy while episodes are drawn (sampling: its bytes, 0 without bf16), fp32 gradients
+    from the update to the end of the step (zero_grad(set_to_none)), AdamW's state and its step's
+    temporaries."""
     out = {}
     for phase in PHASES:
         out[phase] = {"weights": 4 * params + (sampling if phase in ("rollout", "twins") else 0),
@@ -319,21 +364,26 @@ def plain_static(params: int, adam: dict, grads: int, sampling: int) -> dict:
 
 
 def lora_static(cfg, dims, world: int) -> dict:
-    """{phase: {category: bytes}} of a LoRA run (lora_rank > 0: DDP, which train_twice requires of LoRA): the frozen
-    base and the float32 adapters, their gradients (and DDP's bucket copy of them on several ranks) and AdamW state
-    from lora.memory_bytes; AdamW's step temporaries from its fake step; no reference (the base, adapters off)."""
+    """{phase: {category: bytes}} of a LoRA run (lora_rank > 0: DDP, which train_twice requires of
+    LoRA): the frozen base and the float32 adapters, their gradients (and DDP's bucket copy of them
+    on several ranks) and AdamW state from lora.memory_bytes; AdamW's step temporaries from its fake
+    step; no reference (the base, adapters off)."""
     m = lora.memory_bytes(dims, cfg.lora_rank, cfg.lora_targets, cfg.bf16)
     held = m["lora"]
     adam = adamw_step(cfg, [m["adapter_params"]])
     grads = held["gradients"] * (2 if world > 1 else 1)
-    return {phase: {"weights": held["weights"],
-                    "optimizer": held["optimizer"] + (adam["peak"] - adam["state"] if phase == "optimizer_step" else 0),
-                    "gradients": grads if phase in ("update", "optimizer_step") else 0} for phase in PHASES}
+    return {
+        phase: {
+            "weights": held["weights"], "optimizer": held["optimizer"] +
+            (adam["peak"] - adam["state"] if phase == "optimizer_step" else 0),
+            "gradients": grads if phase in ("update", "optimizer_step") else 0
+        } for phase in PHASES
+    }
 
 
 def retriever_bytes(world: int, fp16: bool = True) -> float:
-    """One GPU's share of the retriever server beside training: its index shard, FAISS scratch, its CUDA context,
-    and (GPU 0, the worst) the E5 encoder."""
+    """One GPU's share of the retriever server beside training: its index shard, FAISS scratch, its
+    CUDA context, and (GPU 0, the worst) the E5 encoder."""
     n, d = WIKI18
     return n * d * (2 if fp16 else 4) / world + sum(SERVER_GIB.values()) * GIB
 
@@ -346,22 +396,27 @@ def _largest(shapes, phase, kind, key):
     return max(rows, key=key) if rows else None
 
 
-ROUND_NEW, ROUND_WIDTH = 32, 128  # a prefill is measured at its new tokens and cache width rounded up to these
+# a prefill is measured at its new tokens and cache width rounded up to these
+ROUND_NEW, ROUND_WIDTH = 32, 128
 
 
 def rollout_activations(dims, dtype, cfg):
     """virtual(kind, rows, new, width) -> bytes for memprobe.phases: the full-size activations of one prefill forward
-    (a fake pass per shape, new tokens and width rounded up: ~20 shapes a step), one decode step (forward, keyed
-    draw, stop decision) as a + b rows + c rows x width fitted exactly to fake steps of gen_batch_size / 4 and
-    gen_batch_size rows over 256 and max_context / 2 cached positions (logits and the draw's buffers per row; masks
-    and attention scores per row and position; the tests check the fit on other shapes), or one read off stored
-    hidden states ("head": a + b rows, from two fake passes)."""
-    lo, hi, w1, w2 = max(1, cfg.gen_batch_size // 4), cfg.gen_batch_size, 256, max(512, cfg.max_context // 2)
+    (a fake pass per shape, new tokens and width rounded up: ~20 shapes a step), one decode step
+    (forward, keyed draw, stop decision) as a + b rows + c rows x width fitted exactly to fake steps
+    of gen_batch_size / 4 and gen_batch_size rows over 256 and max_context / 2 cached positions
+    (logits and the draw's buffers per row; masks and attention scores per row and position; the
+    tests check the fit on other shapes), or one read off stored hidden states ("head": a + b rows,
+    from two fake passes)."""
+    lo, hi, w1, w2 = max(1, cfg.gen_batch_size // 4), cfg.gen_batch_size, 256, max(
+        512, cfg.max_context // 2)
     points = ((lo, w1), (lo, w2), (hi, w1))
-    decode_activations(dims, dtype, cfg, lo, w1)  # a first pass also allocates what the model builds once
+    # a first pass also allocates what the model builds once
+    decode_activations(dims, dtype, cfg, lo, w1)
     dec = np.linalg.solve([[1, p, p * w] for p, w in points],
                           [decode_activations(dims, dtype, cfg, p, w) for p, w in points])
-    head = np.linalg.solve([[1, lo], [1, hi]], [head_activations(dims, dtype, cfg, n) for n in (lo, hi)])
+    head = np.linalg.solve([[1, lo], [1, hi]],
+                           [head_activations(dims, dtype, cfg, n) for n in (lo, hi)])
 
     @functools.lru_cache(maxsize=None)
     def prefill(rows, new, width):
@@ -370,19 +425,23 @@ def rollout_activations(dims, dtype, cfg):
     def virtual(kind, rows, new, width):
         if kind == "decode":
             return max(0.0, float(dec @ [1, rows, rows * width]))
-        if kind == "head":  # the engine reads at most 2^26 logits at once (rows tracked at once: twin_chunk at most)
+        # the engine reads at most 2^26 logits at once (rows tracked at once: twin_chunk at most)
+        if kind == "head":
             rows = min(rows, max((1 << 26) // dims["vocab_size"], cfg.twin_chunk or rows))
             return max(0.0, float(head @ [1, rows]))
-        return prefill(rows, -(-new // ROUND_NEW) * ROUND_NEW, -(-width // ROUND_WIDTH) * ROUND_WIDTH)
+        return prefill(rows, -(-new // ROUND_NEW) * ROUND_NEW,
+                       -(-width // ROUND_WIDTH) * ROUND_WIDTH)
     return virtual
 
 
 def activations(dims, dtype, cfg, shapes, autocast=False) -> dict:
-    """{phase: the largest activations at full size} of the passes that have no cache growing beside them: the
-    largest log-prob micro-batch (logprobs; update: with the backward, whose parameter gradients come back as
-    "gradients"); rollout and twins hold theirs during the probe (rollout_activations)."""
+    """{phase: the largest activations at full size} of the passes that have no cache growing beside
+    them: the largest log-prob micro-batch (logprobs; update: with the backward, whose parameter
+    gradients come back as "gradients"); rollout and twins hold theirs during the probe
+    (rollout_activations)."""
     out = {"optimizer_step": 0, "rollout": 0, "twins": 0}
-    master = torch.float32 if autocast else dtype  # autocast: the passes with gradients run on the fp32 weights
+    # autocast: the passes with gradients run on the fp32 weights
+    master = torch.float32 if autocast else dtype
     b, w, n = _largest(shapes, "logprobs", "scored", lambda s: s[0] * s[1])
     out["logprobs"] = logprob_activations(dims, master, cfg, b, w, n, autocast)
     b, w, n = _largest(shapes, "update", "scored", lambda s: s[0] * s[1])
@@ -403,42 +462,49 @@ def n_params(dims) -> int:
 
 
 def slot_cache_bytes(cfg, dims, dtype) -> int:
-    """The engine's slot cache on a GPU: gen_batch_size slots of max_context + 1 positions (kvcache.cache_bytes),
-    what the probe's decode batch holds from the first decode of the rollout until the twins are done."""
+    """The engine's slot cache on a GPU: gen_batch_size slots of max_context + 1 positions
+    (kvcache.cache_bytes), what the probe's decode batch holds from the first decode of the rollout
+    until the twins are done."""
     from transformers import Qwen2Config
-    return kvcache.cache_bytes(cfg.gen_batch_size, cfg.max_context + 1, Qwen2Config(**dims), dtype, hidden=True)
+    return kvcache.cache_bytes(cfg.gen_batch_size, cfg.max_context + 1, Qwen2Config(**dims), dtype,
+                               hidden=True)
 
 
-MEMORY_FIELDS = ("prompts_per_step", "group_size", "max_turns", "max_new_tokens", "max_obs_tokens", "max_context",
-                 "gen_batch_size", "method", "twin_budget", "twins_per_decision", "twin_chunk", "keep_caches",
-                 "mini_batches", "micro_batch_size", "entropy_coef", "bf16", "gradient_checkpointing", "ref_offload",
-                 "lora_rank", "lora_targets")
+MEMORY_FIELDS = ("prompts_per_step", "group_size", "max_turns", "max_new_tokens", "max_obs_tokens",
+                 "max_context", "gen_batch_size", "method", "twin_budget", "twins_per_decision",
+                 "twin_chunk", "keep_caches", "mini_batches", "micro_batch_size", "entropy_coef",
+                 "bf16", "gradient_checkpointing", "ref_offload", "lora_rank", "lora_targets")
 
 
 def config_of(cfg) -> dict:
-    """The config fields that change a rank's memory (the ledger records them; a preset that changes them needs a
-    new ledger)."""
+    """The config fields that change a rank's memory (the ledger records them; a preset that changes
+    them needs a new ledger)."""
     return {k: getattr(cfg, k) for k in MEMORY_FIELDS}
 
 
-def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=True, threads=1, steps=1) -> dict:
-    """The ledger of one rank of `world` training with cfg (its per-rank batch) on a `dims` model (a Qwen2 config's
-    sizes, vocabulary included): {"gpu_gib", "peak_gib", "peak_phase", "headroom", "phases": {phase: {"total_gib",
-    "allocated_gib", "gib": {category: GiB}}}, ...}. strategy "zero2": DeepSpeed ZeRO-2 in bf16 (the presets);
-    "plain": one process (or DDP, less its buckets), fp32 weights, bf16 autocast and sampling copy when cfg.bf16
-    (perf/gpucheck.py); with lora_rank > 0, LoRA's layout under DDP (lora_static, lora.memory_bytes). The probe runs
-    `steps` steps and the last is the ledger's."""
+def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=True, threads=1,
+          steps=1) -> dict:
+    """The ledger of one rank of `world` training with cfg (its per-rank batch) on a `dims` model (a
+    Qwen2 config's sizes, vocabulary included): {"gpu_gib", "peak_gib", "peak_phase", "headroom",
+    "phases": {phase: {"total_gib", "allocated_gib", "gib": {category: GiB}}}, ...}. strategy
+    "zero2": DeepSpeed ZeRO-2 in bf16 (the presets); "plain": one process (or DDP, less its
+    buckets), fp32 weights, bf16 autocast and sampling copy when cfg.bf16 (perf/gpucheck.py); with
+    lora_rank > 0, LoRA's layout under DDP (lora_static, lora.memory_bytes). The probe runs `steps`
+    steps and the last is the ledger's."""
     half = torch.bfloat16 if cfg.bf16 else torch.float32  # the rollout's dtype, the reference's
     if cfg.lora_rank and strategy == "zero2":
-        raise ValueError("lora_rank > 0 runs under DDP (train_twice.setup refuses DeepSpeed): strategy 'ddp'")
+        raise ValueError(
+            "lora_rank > 0 runs under DDP (train_twice.setup refuses DeepSpeed): strategy 'ddp'")
     zero2 = strategy == "zero2"
     # the module's dtype: ZeRO-2's bf16 module; else fp32 master weights under autocast (LoRA: its base in bf16)
     module = half if zero2 or (cfg.lora_rank and cfg.bf16) else torch.float32
     mixed = "bf16" if cfg.bf16 and module == torch.float32 else "no"
     probe_dims = memprobe.probe_dims(dims)
-    probe = memprobe.run_steps(cfg, probe_dims, module, memprobe.SCRIPTS[script],
-                               scale=memprobe.probe_scale(probe_dims, half, dims, half), mixed=mixed, threads=threads,
-                               attention="probe", steps=steps, virtual=rollout_activations(dims, half, cfg))
+    probe = memprobe.run_steps(cfg, probe_dims, module,
+                               memprobe.SCRIPTS[script], scale=memprobe.probe_scale(
+                                   probe_dims, half, dims, half), mixed=mixed, threads=threads,
+                               attention="probe", steps=steps, virtual=rollout_activations(
+                                   dims, half, cfg))
     act = activations(dims, half, cfg, probe["shapes"], autocast=mixed == "bf16")
     numels = param_numels(dims)
     params = sum(numels)
@@ -446,18 +512,22 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
         static = lora_static(cfg, dims, world)
     elif zero2:
         ds = json.load(open(os.path.join(ROOT, "configs", "deepspeed_zero2.json")))
-        static = zero2_static(params, max(numels), world, adamw_step(cfg, [-(-params // world)]), ds)
+        static = zero2_static(params, max(numels), world, adamw_step(cfg, [-(-params // world)]),
+                              ds)
     else:
-        static = plain_static(params, adamw_step(cfg, numels), act["gradients"], 2 * params if cfg.bf16 else 0)
+        static = plain_static(params, adamw_step(cfg, numels), act["gradients"],
+                              2 * params if cfg.bf16 else 0)
     phases = {}
     for phase in PHASES:
         got = probe["peaks"].get(phase, {"bytes": {}})["bytes"]
         part = lambda owner: sum(v for k, v in got.items() if k.startswith(owner + "/"))  # noqa: E731
         cats = dict(static[phase])
-        on_gpu = not cfg.lora_rank and (not cfg.ref_offload or phase == "logprobs")  # LoRA: the base is the reference
+        # LoRA: the base is the reference
+        on_gpu = not cfg.lora_rank and (not cfg.ref_offload or phase == "logprobs")
         cats["reference"] = params * memprobe._size(half) if on_gpu else 0
         cats["kv_entries"], cats["decode_batch"] = part("kv_entries"), part("decode_batch")
-        cats["activations"] = part("other") + part("activations") + act[phase]  # the probe's: held full-size ones
+        # the probe's: held full-size ones
+        cats["activations"] = part("other") + part("activations") + act[phase]
         allocated = sum(cats.values())
         cats["retriever"] = retriever_bytes(world) if retriever else 0
         cats["context"] = CONTEXT_GIB * GIB
@@ -466,14 +536,19 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
                          "gib": {c: cats[c] / GIB for c in CATEGORIES}}
     peak = max(phases, key=lambda p: phases[p]["total_gib"])
     m = probe["metrics"]
-    return {"gpu_gib": 80, "peak_gib": phases[peak]["total_gib"], "peak_phase": peak,
-            "headroom": 1 - phases[peak]["total_gib"] / 80, "strategy": strategy, "world": world, "params": params,
-            "script": memprobe.SCRIPTS[script].__dict__, "phases": phases, "config": config_of(cfg),
-            "step": {k: m.get(k) for k in ("factual_tokens", "twin_tokens", "twins", "twin_rollouts", "turns")},
-            "episodes": cfg.prompts_per_step * cfg.group_size,
-            "slot_cache_gib": slot_cache_bytes(cfg, dims, half) / GIB,
-            "shapes": {f"{ph}:{kind}": max(v, key=lambda s: s[0] * s[-1]) for (ph, kind), v in
-                       probe["shapes"].items()}}
+    return {
+        "gpu_gib": 80, "peak_gib": phases[peak]["total_gib"], "peak_phase": peak,
+        "headroom": 1 - phases[peak]["total_gib"] / 80, "strategy": strategy, "world": world,
+        "params": params, "script": memprobe.SCRIPTS[script].__dict__, "phases": phases,
+        "config": config_of(cfg), "step": {
+            k: m.get(k)
+            for k in ("factual_tokens", "twin_tokens", "twins", "twin_rollouts", "turns")
+        }, "episodes": cfg.prompts_per_step * cfg.group_size,
+        "slot_cache_gib": slot_cache_bytes(cfg, dims, half) / GIB, "shapes": {
+            f"{ph}:{kind}": max(v, key=lambda s: s[0] * s[-1])
+            for (ph, kind), v in probe["shapes"].items()
+        }
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -485,19 +560,24 @@ TABLE_END = "<!-- end of memory ledger -->"
 
 
 def preset_ledger(path: str, script="search-r1", threads=1, overrides=()) -> dict:
-    """The ledger of a preset file at its real shapes: one of 8 ranks, ZeRO-2 (LoRA: DDP). overrides: `--key=value`
-    config flags on top of the preset."""
+    """The ledger of a preset file at its real shapes: one of 8 ranks, ZeRO-2 (LoRA: DDP).
+    overrides: `--key=value` config flags on top of the preset."""
     model = tt.parse_config([path, *overrides]).model
     size = "7b" if "7B" in model else "3b" if "3B" in model else None
     if size is None:
-        raise ValueError(f"{path}: model = {model!r}, not Qwen2.5-3B or -7B (the shapes QWEN knows)")
+        raise ValueError(
+            f"{path}: model = {model!r}, not Qwen2.5-3B or -7B (the shapes QWEN knows)")
     cfg = memprobe.step_config(path, list(overrides))
-    return {"preset": os.path.relpath(os.path.abspath(path), ROOT), "model": model, "overrides": list(overrides),
-            **build(cfg, QWEN[size], "plain" if cfg.lora_rank else "zero2", 8, script, threads=threads)}
+    return {
+        "preset": os.path.relpath(os.path.abspath(path),
+                                  ROOT), "model": model, "overrides": list(overrides),
+        **build(cfg, QWEN[size], "plain" if cfg.lora_rank else "zero2", 8, script, threads=threads)
+    }
 
 
 def table(ledgers: dict) -> str:
-    """README's table: per phase, the peak GiB of each preset (its largest categories), then the fit."""
+    """README's table: per phase, the peak GiB of each preset (its largest categories), then the
+    fit."""
     names = list(ledgers)
     head = "| phase | " + " | ".join(f"{n.upper()} peak GiB (largest parts)" for n in names) + " |"
     lines = [head, "|---|" + "---|" * len(names)]
@@ -505,7 +585,8 @@ def table(ledgers: dict) -> str:
         cells = []
         for n in names:
             ph = ledgers[n]["phases"][phase]
-            top = sorted(ph["gib"].items(), key=lambda kv: (-round(kv[1], 6), CATEGORIES.index(kv[0])))[:3]
+            top = sorted(ph["gib"].items(), key=lambda kv:
+                         (-round(kv[1], 6), CATEGORIES.index(kv[0])))[:3]
             parts = ", ".join(f"{c.replace('_', ' ')} {v:.1f}" for c, v in top)
             cells.append(f"{ph['total_gib']:.1f} ({parts})")
         lines.append(f"| {phase.replace('_', ' ')} | " + " | ".join(cells) + " |")
@@ -538,26 +619,37 @@ def show(name: str, led: dict) -> str:
     out.append("  phase           total  " + " ".join(f"{c[:12]:>12s}" for c in CATEGORIES))
     for phase in PHASES:
         ph = led["phases"][phase]
-        out.append(f"  {phase:14s} {ph['total_gib']:6.1f}  " + " ".join(f"{ph['gib'][c]:12.2f}" for c in CATEGORIES))
-    out.append(f"  peak {led['peak_gib']:.1f} GiB ({led['peak_phase']}) of {led['gpu_gib']}: headroom "
-               f"{100 * led['headroom']:.1f}% ({'fits' if led['headroom'] >= 0.10 else 'DOES NOT FIT'} with 10%)")
+        out.append(f"  {phase:14s} {ph['total_gib']:6.1f}  " + " ".join(f"{ph['gib'][c]:12.2f}"
+                                                                        for c in CATEGORIES))
+    out.append(
+        f"  peak {led['peak_gib']:.1f} GiB ({led['peak_phase']}) of {led['gpu_gib']}: headroom "
+        f"{100 * led['headroom']:.1f}% ({'fits' if led['headroom'] >= 0.10 else 'DOES NOT FIT'} with 10%)"
+    )
     return "\n".join(out)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="perf/ledger.py", description=__doc__.split("\n")[0], epilog=__doc__,
+    parser = argparse.ArgumentParser(prog="perf/ledger.py", description=__doc__.split("\n")[0],
+                                     epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("presets", nargs="*", help="preset files (default: both Qwen2.5 presets)")
     parser.add_argument("--json", default="", help="write the ledger(s) here")
-    parser.add_argument("--script", default="search-r1", choices=sorted(memprobe.SCRIPTS), help="turn statistics")
-    parser.add_argument("--write", action="store_true", help="write memory.json and README's table (both presets)")
-    parser.add_argument("--readme", action="store_true", help="rewrite README's table from memory.json as it is")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config field on top of the preset(s), e.g. --set lora_rank=16 (repeatable)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the probe runs")
+    parser.add_argument("--script", default="search-r1", choices=sorted(memprobe.SCRIPTS),
+                        help="turn statistics")
+    parser.add_argument("--write", action="store_true",
+                        help="write memory.json and README's table (both presets)")
+    parser.add_argument("--readme", action="store_true",
+                        help="rewrite README's table from memory.json as it is")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a config field on top of the preset(s), e.g. --set lora_rank=16 (repeatable)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads of the probe runs")
     parser.add_argument("--jobs", type=int, default=1, help="presets computed at once (processes)")
-    parser.add_argument("--zero2-measure", action="store_true", help="DeepSpeed ZeRO-2 on CPU ranks against the "
-                        "ledger's layout (DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 perf/ledger.py --zero2-measure)")
+    parser.add_argument(
+        "--zero2-measure", action="store_true", help="DeepSpeed ZeRO-2 on CPU ranks against the "
+        "ledger's layout (DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 perf/ledger.py --zero2-measure)"
+    )
     args = parser.parse_args(argv)
     if args.readme:
         write_readme(json.load(open(os.path.join(ROOT, "results", "memory.json"))))

@@ -1,19 +1,22 @@
-"""Live tensor bytes by category, counted as the code runs: what the memory ledger (perf/ledger.py) measures with.
+"""Live tensor bytes by category, counted as the code runs: what the memory ledger (perf/ledger.py)
+measures with.
 
-A `Tracker` is a TorchDispatchMode: every op's output storage is registered once (a view adds nothing: storages are
-counted, not tensors), with its bytes rounded up as the CUDA caching allocator rounds a block (512 bytes), and a weak
-reference whose callback removes it when the storage dies. Each storage carries a category, decided when it is first
-seen by `classify` (the ledger reads the Python stack: which function of the engine, the optimizer or the trainer is
-allocating) and re-decided by `tag` for owners known by object (parameters, gradients, optimizer state). The tracker
-keeps the live bytes per category, and per phase (`phase(name)`) the highest total and the categories at that moment.
+A `Tracker` is a TorchDispatchMode: every op's output storage is registered once (a view adds
+nothing: storages are counted, not tensors), with its bytes rounded up as the CUDA caching allocator
+rounds a block (512 bytes), and a weak reference whose callback removes it when the storage dies.
+Each storage carries a category, decided when it is first seen by `classify` (the ledger reads the
+Python stack: which function of the engine, the optimizer or the trainer is allocating) and
+re-decided by `tag` for owners known by object (parameters, gradients, optimizer state). The tracker
+keeps the live bytes per category, and per phase (`phase(name)`) the highest total and the
+categories at that moment.
 
-It runs on real tensors (the CPU runs of the ledger and of the tests) and on fake ones (FakeTensorMode: the full-size
-forward and backward passes, no memory behind them); on a GPU, `torch.cuda.memory_allocated` is the independent
-measure it is checked against (perf/gpucheck.py).
+It runs on real tensors (the CPU runs of the ledger and of the tests) and on fake ones
+(FakeTensorMode: the full-size forward and backward passes, no memory behind them); on a GPU,
+`torch.cuda.memory_allocated` is the independent measure it is checked against (perf/gpucheck.py).
 
-It does not see memory outside torch's allocator (the CUDA context, NCCL, cuBLAS workspaces), the allocator's cached
-free blocks or its fragmentation (the ledger adds those as estimates), nor storages resized in place by other code
-than `UntypedStorage.resize_` (patched while tracking).
+It does not see memory outside torch's allocator (the CUDA context, NCCL, cuBLAS workspaces), the
+allocator's cached free blocks or its fragmentation (the ledger adds those as estimates), nor
+storages resized in place by other code than `UntypedStorage.resize_` (patched while tracking).
 """
 import contextlib
 import sys
@@ -24,7 +27,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-BLOCK = 512  # bytes: the CUDA caching allocator's smallest block and its rounding unit (CUDACachingAllocator.cpp)
+# bytes: the CUDA caching allocator's smallest block and its rounding unit
+# (CUDACachingAllocator.cpp)
+BLOCK = 512
 
 
 def rounded(nbytes: int, block: int = BLOCK) -> int:
@@ -44,9 +49,10 @@ class _Info:
 class Tracker(TorchDispatchMode):
     """Live storage bytes by category, with per-phase peaks (see the module docstring).
 
-    classify: tensor -> category of a storage first seen now (default "other"); block: rounding unit (1: exact bytes);
-    scale: {category: factor}: those categories count factor x their exact bytes (what a run of a smaller model
-    predicts for a larger one), the others their rounded bytes; totals and peaks are of the scaled bytes.
+    classify: tensor -> category of a storage first seen now (default "other"); block: rounding unit
+    (1: exact bytes); scale: {category: factor}: those categories count factor x their exact bytes
+    (what a run of a smaller model predicts for a larger one), the others their rounded bytes;
+    totals and peaks are of the scaled bytes.
     """
 
     def __init__(self, classify=None, block: int = BLOCK, scale=None):
@@ -55,20 +61,24 @@ class Tracker(TorchDispatchMode):
         self.block, self.scale = block, dict(scale or {})
         self.live = {}                 # id(storage) -> _Info
         self.bytes = Counter()         # category -> live (rounded) bytes
-        self.raw = Counter()           # category -> live exact bytes (what a per-element count predicts)
+        # category -> live exact bytes (what a per-element count predicts)
+        self.raw = Counter()
         self.count = Counter()         # category -> live storages
         self.total = 0                 # scaled live bytes
-        self.peaks = {}                # phase -> {"total": scaled bytes, "bytes": {category: scaled bytes}}
+        # phase -> {"total": scaled bytes, "bytes": {category: scaled bytes}}
+        self.peaks = {}
         self.current = None            # the phase now running (None: not recorded)
         self._resize = None
 
     # --- registration ---
     def _storages(self, t):
-        if isinstance(t, torch.Tensor) and not t.is_sparse and t.device.type != "meta":  # meta: shapes, no memory
+        # meta: shapes, no memory
+        if isinstance(t, torch.Tensor) and not t.is_sparse and t.device.type != "meta":
             yield t.untyped_storage()
 
     def see(self, t, category=None):
-        """Register t's storage if new (category: given, else classify()); returns its _Info or None."""
+        """Register t's storage if new (category: given, else classify()); returns its _Info or
+        None."""
         for st in self._storages(t):
             info = self.live.get(id(st))
             if info is not None and info.ref() is st:
@@ -84,7 +94,8 @@ class Tracker(TorchDispatchMode):
         return None
 
     def tag(self, tensors, category: str):
-        """Count these tensors' storages under category from now on (registering any not yet seen)."""
+        """Count these tensors' storages under category from now on (registering any not yet seen).
+        """
         for t in tensors:
             for st in self._storages(t):
                 info = self.live.get(id(st))
@@ -96,7 +107,8 @@ class Tracker(TorchDispatchMode):
                     self._add(info, +1)
 
     def tag_all(self, category: str):
-        """Count every live storage under category from now on (what a measurement has set up before it starts)."""
+        """Count every live storage under category from now on (what a measurement has set up before
+        it starts)."""
         for info in list(self.live.values()):
             if info.category != category:
                 self._add(info, -1)
@@ -133,8 +145,9 @@ class Tracker(TorchDispatchMode):
 
     @contextlib.contextmanager
     def hold(self, category: str, nbytes: int):
-        """Count nbytes under category while the block runs, as if a storage of that size lived (what a larger model
-        would allocate here: the ledger's activations at full size during a small probe's forward)."""
+        """Count nbytes under category while the block runs, as if a storage of that size lived
+        (what a larger model would allocate here: the ledger's activations at full size during a
+        small probe's forward)."""
         info = _Info(int(nbytes), int(nbytes), category, None)
         self._add(info, +1)
         try:
@@ -145,8 +158,8 @@ class Tracker(TorchDispatchMode):
     # --- phases ---
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Record the peak of what runs inside under `name` (its starting level counts: a phase with no allocation
-        peaks at what was live when it began)."""
+        """Record the peak of what runs inside under `name` (its starting level counts: a phase with
+        no allocation peaks at what was live when it began)."""
         saved, self.current = self.current, name
         self._peak()
         try:
@@ -187,8 +200,8 @@ class Tracker(TorchDispatchMode):
 
 
 def stack_classifier(table: dict, default: str = "other", depth: int = 60):
-    """A classify() for Tracker: the category of the innermost frame on the Python stack whose code object is in
-    table ({code: category}); default when none is."""
+    """A classify() for Tracker: the category of the innermost frame on the Python stack whose code
+    object is in table ({code: category}); default when none is."""
     def classify(t):
         f = sys._getframe(2)
         for _ in range(depth):

@@ -59,11 +59,15 @@ def probe() -> dict:
 
 
 def main(argv=None) -> int:
-    argparse.ArgumentParser(prog="python -m perf.probe", description="Print the pins, what is in force, "
-                            "the probe's digests and any problem (exit status 1).").parse_args(argv)
-    print(json.dumps({"pins": numerics.PINS, "in_force": numerics.state(), "probe": probe()}, indent=1))
+    argparse.ArgumentParser(
+        prog="python -m perf.probe", description="Print the pins, what is in force, "
+        "the probe's digests and any problem (exit status 1).").parse_args(argv)
+    print(
+        json.dumps({"pins": numerics.PINS, "in_force": numerics.state(), "probe": probe()},
+                   indent=1))
     issues = numerics.problems()
-    print("\n".join(["problems:"] + [f"  - {p}" for p in issues]) if issues else "pinned: no problem")
+    print("\n".join(["problems:"] + [f"  - {p}"
+                                     for p in issues]) if issues else "pinned: no problem")
     return 1 if issues else 0
 
 

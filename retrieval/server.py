@@ -63,17 +63,13 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
-import errno
 import gc
 import json
-import logging
-import math
 import os
 import socket
 import subprocess
 import sys
 import threading
-import time
 
 import torch
 import uvicorn
@@ -81,9 +77,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from retrieval.dense import PACK_TOKENS
+from retrieval.limits import (ACCEPT_PAUSE, BACKLOG, BODY_TIMEOUT, HEAD_TIMEOUT, LOG,
+                              OUT_OF_RESOURCES, Connections, DeadlineH11, ListeningSocket,
+                              descriptor_budget, descriptor_limit)
 from retrieval.index import E5, search_r1_index_dir
 from retriever import (CACHE_BYTES, MAX_QUERIES, MAX_QUERY_BYTES, TOPK, Retriever, check_flags,
                        check_queries)
@@ -91,16 +89,11 @@ from retriever import (CACHE_BYTES, MAX_QUERIES, MAX_QUERY_BYTES, TOPK, Retrieve
 MAX_TOPK = 100  # largest topk the server accepts
 MAX_BODY_BYTES = 16 << 20  # largest request body the server reads
 SLICE_QUERIES = 8  # queries a request gets per turn of the server's round-robin
-ROUND_TOKENS = 2 * PACK_TOKENS - 8  # query tokens encoded together per round, at most: a request waits for a round in
-#   progress, then its own. Two packs, less a little so that longest-first packing rarely needs a third: packs 93%
-#   full on the benchmark's queries, against 82% for rounds of 16 queries (64: 91%, but 4x longer waits)
-BACKLOG = 2048  # listen queue (uvicorn's default; http.server's 5 dropped SYNs: 1 s retransmit tails)
-HEAD_TIMEOUT, BODY_TIMEOUT = 30.0, 60.0  # seconds a client may take to send a request head, then its body
-FD_RESERVE = 32  # descriptors kept free beside the connection cap: the event loop's own, a refusal's, log files
-LOG_INTERVAL = 5.0  # seconds between two log lines of one kind (refused connections, descriptor exhaustion)
-OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # accept errors asyncio pauses on
-ACCEPT_PAUSE = 1.0  # seconds asyncio stops accepting after one of them (asyncio.constants.ACCEPT_RETRY_DELAY)
-LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log (level warning): one stream for the server
+# query tokens encoded together per round, at most: a request waits for a round in progress, then
+# its own. Two packs, less a little so that longest-first packing rarely needs a third: packs 93%
+# full on the benchmark's queries, against 82% for rounds of 16 queries (64: 91%, but 4x longer
+# waits)
+ROUND_TOKENS = 2 * PACK_TOKENS - 8
 # --workers (serve's, and the bench's for the server it starts): its help, its range error's end
 WORKERS_HELP = "encoder threads of the server (default: CPU cores // torch threads; 1 on a GPU)"
 WORKERS_DEFAULT = " (omit it for the default: CPU cores // torch threads, 1 on a GPU)"
@@ -113,7 +106,8 @@ def parse_request(payload, default_topk: int = TOPK, max_queries: int = MAX_QUER
     """A /retrieve body -> (queries, topk, return_scores); ValueError naming the bad field."""
     if not isinstance(payload, dict):
         raise ValueError("the request body must be a JSON object")
-    queries = check_queries(payload.get("queries"), max_queries, max_query_bytes)  # DEVIATION S15: bytes capped
+    # DEVIATION S15: bytes capped
+    queries = check_queries(payload.get("queries"), max_queries, max_query_bytes)
     topk = default_topk if payload.get("topk") is None else payload["topk"]
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"field 'topk' must be an integer in [1, {MAX_TOPK}], got {topk!r}")
@@ -136,44 +130,55 @@ def parse_body(body: bytes, default_topk: int = TOPK, max_queries: int = MAX_QUE
 
 def _wire(doc: dict, return_scores: bool) -> dict:
     item = {"document": {"id": doc["id"], "contents": doc["contents"]}}
-    if return_scores:  # DEVIATION S2: without return_scores Search-R1's server crashes; here the score is left out
+    # DEVIATION S2: without return_scores Search-R1's server crashes; here the score is left out
+    if return_scores:
         item["score"] = doc["score"]
     return item
 
 
 class Job:
-    """One request's queries, answered slice by slice; a cancelled future (its client left) drops what is left."""
+    """One request's queries, answered slice by slice; a cancelled future (its client left) drops
+    what is left."""
 
     def __init__(self, queries: list, topk: int, costs: list, features=None):
-        self.items, self.done, self.next = [(query, topk) for query in queries], [None] * len(queries), 0
+        self.items, self.done, self.next = [(query, topk)
+                                            for query in queries], [None] * len(queries), 0
         self.costs = costs  # per query, in the units of the round budget (tokens)
-        self.features = features  # per query, its tokens (Encoder.query_features), or None: the retriever tokenizes
-        self.left = len(queries)  # queries not answered yet: with several workers, slices finish in any order
+        # per query, its tokens (Encoder.query_features), or None: the retriever tokenizes
+        self.features = features
+        # queries not answered yet: with several workers, slices finish in any order
+        self.left = len(queries)
         self.future = concurrent.futures.Future()
 
 
 class Batcher:
-    """The threads that encode for the server (`workers`, each searching one round at a time). Each round takes up to
-    SLICE_QUERIES queries from each waiting request in turn (round-robin), until the next one would pass the round's
-    budget (`round_cost`; cost(queries) gives each one's, e.g. its tokens; default 1), and searches them together:
-    concurrent requests share forwards, and a request of thousands of queries is split so that small ones interleave
-    with it. An idle worker starts a round beside a busy one only once a full round waits. With `tokenize`
-    (Encoder.query_features) a request is tokenized once, in the submitting thread: its costs are its token counts
-    and the retriever gets the tokens. A request whose future is cancelled (its client left) is dropped unsearched."""
+    """The threads that encode for the server (`workers`, each searching one round at a time). Each
+    round takes up to SLICE_QUERIES queries from each waiting request in turn (round-robin), until
+    the next one would pass the round's budget (`round_cost`; cost(queries) gives each one's, e.g.
+    its tokens; default 1), and searches them together: concurrent requests share forwards, and a
+    request of thousands of queries is split so that small ones interleave with it. An idle worker
+    starts a round beside a busy one only once a full round waits. With `tokenize`
+    (Encoder.query_features) a request is tokenized once, in the submitting thread: its costs are
+    its token counts and the retriever gets the tokens. A request whose future is cancelled (its
+    client left) is dropped unsearched."""
 
-    def __init__(self, retriever, slice_queries: int = SLICE_QUERIES, round_cost: int = ROUND_TOKENS, workers: int = 1,
-                 cost=None, tokenize=None):
+    def __init__(self, retriever, slice_queries: int = SLICE_QUERIES,
+                 round_cost: int = ROUND_TOKENS, workers: int = 1, cost=None, tokenize=None):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be an integer >= 1, got {workers!r}: with none, requests wait for ever")
+            raise ValueError(
+                f"workers must be an integer >= 1, got {workers!r}: with none, requests wait for ever"
+            )
         self.retriever, self.slice, self.round, self.workers = retriever, slice_queries, round_cost, workers
         self.cost, self.tokenize = cost or (lambda queries: [1] * len(queries)), tokenize
         self._waiting, self._wake, self._closed = collections.deque(), threading.Condition(), False
-        self._queued = self._idle = 0  # cost (tokens) of the queries not yet taken; workers waiting for a round
+        # cost (tokens) of the queries not yet taken; workers waiting for a round
+        self._queued = self._idle = 0
         for i in range(workers):
             threading.Thread(target=self._loop, daemon=True, name=f"retriever-batcher-{i}").start()
 
     def submit(self, queries: list, topk: int) -> concurrent.futures.Future:
-        if self.tokenize is not None and queries:  # here, in the request's thread, outside every lock
+        # here, in the request's thread, outside every lock
+        if self.tokenize is not None and queries:
             features = self.tokenize(queries)
             job = Job(queries, topk, [len(ids) for ids, _ in features], features)
         else:
@@ -193,11 +198,14 @@ class Batcher:
             self._wake.notify_all()
 
     def _next_round(self) -> list:
-        """[(job, start, end), ...]: round-robin slices; a job with queries left goes back to the end of the line."""
+        """[(job, start, end), ...]: round-robin slices; a job with queries left goes back to the
+        end of the line."""
         with self._wake:
             self._idle += 1
-            # beside a busy worker, only a full round starts: a few queries would fill their packs badly
-            while not self._closed and (not self._waiting or self._idle < self.workers and self._queued < self.round):
+            # beside a busy worker, only a full round starts: a few queries would fill their packs
+            # badly
+            while not self._closed and (not self._waiting or
+                                        self._idle < self.workers and self._queued < self.round):
                 self._wake.wait()
             taken, budget = [], self.round
             self._idle -= 1
@@ -209,7 +217,8 @@ class Batcher:
                     continue
                 start = end = job.next
                 stop = min(start + self.slice, len(job.items))
-                while end < stop and (job.costs[end] <= budget or not taken and end == start):  # one query at least
+                # one query at least
+                while end < stop and (job.costs[end] <= budget or not taken and end == start):
                     budget -= job.costs[end]
                     end += 1
                 if end == start:  # its next query does not fit: the round is full
@@ -236,7 +245,8 @@ class Batcher:
                 else:
                     features = [f for job, a, b in taken for f in job.features[a:b]]
                     for job, a, b in taken:
-                        job.features[a:b] = [None] * (b - a)  # searched: the tokens are not needed again
+                        # searched: the tokens are not needed again
+                        job.features[a:b] = [None] * (b - a)
                     docs = self.retriever.search_batch(items, features)
             except Exception as e:  # keep serving; these requests see why
                 with self._wake:
@@ -252,7 +262,8 @@ class Batcher:
 
 
 def _settle(future: concurrent.futures.Future, result=None, error=None):
-    """Set a request's answer unless it is settled already: the event loop cancels it whenever its client leaves."""
+    """Set a request's answer unless it is settled already: the event loop cancels it whenever its
+    client leaves."""
     try:
         if not future.done():
             if error is not None:
@@ -268,11 +279,14 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 async def _read_body(request: Request) -> bytes:
-    """The body, at most MAX_BODY_BYTES (a Content-Length or chunked encoding is required); ValueError otherwise."""
+    """The body, at most MAX_BODY_BYTES (a Content-Length or chunked encoding is required);
+    ValueError otherwise."""
     length = request.headers.get("content-length", "")
     chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
     if not chunked and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-        raise ValueError(f"the body needs a Content-Length of at most {MAX_BODY_BYTES} bytes, got {length[:20]!r}")
+        raise ValueError(
+            f"the body needs a Content-Length of at most {MAX_BODY_BYTES} bytes, got {length[:20]!r}"
+        )
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -282,18 +296,19 @@ async def _read_body(request: Request) -> bytes:
 
 
 async def _client_gone(request: Request):
-    """Returns once the client has closed its connection. Once the body is read, uvicorn's `receive` only answers
-    "http.disconnect" (connection lost, or the response sent)."""
+    """Returns once the client has closed its connection. Once the body is read, uvicorn's `receive`
+    only answers "http.disconnect" (connection lost, or the response sent)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_queries: int = MAX_QUERIES,
-             body_timeout: float = BODY_TIMEOUT, max_query_bytes: int = MAX_QUERY_BYTES) -> Starlette:
-    """The ASGI app: POST /retrieve, GET /health, a JSON 404 elsewhere. CPU work (parsing, tokenizing, searching,
-    writing the answer) runs off the event loop, so slow or huge requests never hold up the others' I/O. A request
-    whose client closes the connection before its answer is cancelled: what the encoder has not yet taken is dropped
-    (DEVIATION S16)."""
+def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK,
+             max_queries: int = MAX_QUERIES, body_timeout: float = BODY_TIMEOUT,
+             max_query_bytes: int = MAX_QUERY_BYTES) -> Starlette:
+    """The ASGI app: POST /retrieve, GET /health, a JSON 404 elsewhere. CPU work (parsing,
+    tokenizing, searching, writing the answer) runs off the event loop, so slow or huge requests
+    never hold up the others' I/O. A request whose client closes the connection before its answer is
+    cancelled: what the encoder has not yet taken is dropped (DEVIATION S16)."""
 
     async def retrieve(request: Request) -> Response:
         try:
@@ -305,17 +320,20 @@ def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_querie
         loop = asyncio.get_running_loop()
 
         def parse_and_submit() -> tuple:  # submitting tokenizes the queries (the rounds' measure)
-            queries, topk, return_scores = parse_body(body, default_topk, max_queries, max_query_bytes)
+            queries, topk, return_scores = parse_body(body, default_topk, max_queries,
+                                                      max_query_bytes)
             return batcher.submit(queries, topk), return_scores
 
         try:
             answered, return_scores = await loop.run_in_executor(None, parse_and_submit)
-        except ValueError as e:  # DEVIATION S3: 400 naming the field (FastAPI: 422 in its own shape)
+        # DEVIATION S3: 400 naming the field (FastAPI: 422 in its own shape)
+        except ValueError as e:
             return _error(400, str(e))
         answer, gone = asyncio.wrap_future(answered), asyncio.ensure_future(_client_gone(request))
         await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
-        if not answer.done():  # nobody would read it: the batcher drops a cancelled request's queries
+        # nobody would read it: the batcher drops a cancelled request's queries
+        if not answer.done():
             answered.cancel()
             answer.cancel()
             return _error(499, "the client closed the connection before the answer")
@@ -333,158 +351,59 @@ def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK, max_querie
     async def not_found(request: Request) -> Response:
         return _error(404, f"unknown path {request.url.path}; use POST /retrieve or GET /health")
 
-    return Starlette(routes=[Route("/retrieve", retrieve, methods=["POST"]), Route("/health", health),
-                             Route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "HEAD"])])
-
-
-class _Throttled:
-    """Log lines for events that may come thousands of times a second: one line per kind every `interval` s, which
-    counts the events held back since the last one."""
-
-    def __init__(self, interval: float = LOG_INTERVAL):
-        self.interval, self._last, self._held = interval, {}, collections.Counter()
-
-    def __call__(self, kind: str, message: str):
-        now = time.monotonic()
-        if now - self._last.get(kind, -math.inf) < self.interval:
-            self._held[kind] += 1
-            return
-        held, self._held[kind], self._last[kind] = self._held[kind], 0, now
-        LOG.warning(message + (f" ({held} more like it in the last {self.interval:g} s)" if held else ""))
-
-
-def descriptor_limit() -> int:
-    """This process's limit on open files (ulimit -n), or a large number where there is none."""
-    try:
-        import resource
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # no such limit on this system
-        return 1 << 20
-    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
-
-
-def descriptor_budget() -> int:
-    """Connections this process can hold: its descriptor limit, less the descriptors open now, less FD_RESERVE."""
-    folder = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-    try:
-        used = len(os.listdir(folder))
-    except OSError:
-        used = 64
-    return max(1, descriptor_limit() - used - FD_RESERVE)
-
-
-class _Connections:
-    """Open connections against their cap; shared by the listening socket and the protocol, both on the loop's
-    thread."""
-
-    def __init__(self, cap: int):
-        self.cap, self.open, self.paused_until, self.log = cap, 0, 0.0, _Throttled()
-
-    def refuse(self, sock: socket.socket):
-        """503 and close at once: the client learns to retry (RemoteRetriever does), no descriptor is held."""
-        body = json.dumps({"error": f"the server holds {self.open} connections, its cap (--max_connections); "
-                                    "retry later"}).encode()
-        try:
-            sock.setblocking(False)
-            try:
-                sock.recv(1 << 16)  # what has arrived: closing with unread data would reset the connection
-            except BlockingIOError:
-                pass
-            sock.send(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                      b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-        except OSError:
-            pass
-        finally:
-            sock.close()
-        self.log("refused", f"refused a connection with 503: {self.open} open, the cap (--max_connections {self.cap})")
-
-
-class _ListeningSocket(socket.socket):
-    """The server's listening socket. asyncio's accept loop (CPython 3.11) calls accept() up to BACKLOG times per
-    wake-up and, out of descriptors, logs a traceback, schedules a retry in 1 s and goes on calling: ~56k traceback
-    lines a second with idle connections at the descriptor limit. Here a connection past the cap is answered 503 and
-    closed at once, and after an out-of-descriptors error accept() reports nothing waiting until asyncio's pause has
-    begun: one error per pause, and a log line per LOG_INTERVAL (`RetrievalServer._loop_error`). DEVIATION S16."""
-    connections: _Connections
-
-    def accept(self):
-        while True:
-            if time.monotonic() < self.connections.paused_until:
-                raise BlockingIOError(errno.EAGAIN, "accepting is paused")
-            try:
-                sock, address = super().accept()
-            except OSError as e:
-                if e.errno in OUT_OF_RESOURCES:
-                    self.connections.paused_until = time.monotonic() + ACCEPT_PAUSE / 2
-                raise
-            if self.connections.open < self.connections.cap:
-                self.connections.open += 1  # until the protocol's connection_lost
-                return sock, address
-            self.connections.refuse(sock)
-
-
-class _DeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol plus a deadline for each request head: uvicorn has none, so a client that connects and
-    then sends nothing (or a byte now and then) would hold its connection for ever. DEVIATION S12. It also gives the
-    connection's place back to the cap (`_Connections`) when the connection ends."""
-    head_timeout, slots = HEAD_TIMEOUT, None  # slots: the server's _Connections (uvicorn's own: `connections`)
-
-    def connection_lost(self, exc):
-        if self.slots is not None:
-            self.slots.open -= 1
-        super().connection_lost(exc)
-
-    def connection_made(self, transport):
-        super().connection_made(transport)
-        self._arm_head_deadline()
-
-    def on_response_complete(self):
-        super().on_response_complete()
-        self._arm_head_deadline()
-
-    def _arm_head_deadline(self):
-        cycle = self.cycle  # replaced as soon as the next request head is complete
-        self.loop.call_later(self.head_timeout, lambda: self.cycle is cycle and not self.transport.is_closing()
-                             and self.transport.close())
+    return Starlette(routes=[
+        Route("/retrieve", retrieve, methods=["POST"]),
+        Route("/health", health),
+        Route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "HEAD"])
+    ])
 
 
 def default_workers(device: torch.device) -> int:
-    """Encoder threads of the server: on a CPU as many forwards at once as the cores hold at torch's thread count
-    (OMP_NUM_THREADS=1 on 2 cores: 2; results do depend on that thread count, not on the number of workers); 1 on a
-    GPU."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """Encoder threads of the server: on a CPU as many forwards at once as the cores hold at torch's
+    thread count (OMP_NUM_THREADS=1 on 2 cores: 2; results do depend on that thread count, not on
+    the number of workers); 1 on a GPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os,
+                                                    "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // torch.get_num_threads()) if device.type == "cpu" else 1
 
 
 class RetrievalServer:
-    """uvicorn serving `make_app` on a socket bound at construction (port 0 picks a free port: read server_port), with
-    the interface of the http.server it replaces: serve_forever, shutdown, server_close, a context manager."""
+    """uvicorn serving `make_app` on a socket bound at construction (port 0 picks a free port: read
+    server_port), with the interface of the http.server it replaces: serve_forever, shutdown,
+    server_close, a context manager."""
 
-    def __init__(self, retriever, host: str = "127.0.0.1", port: int = 8000, *, default_topk: int = TOPK,
-                 max_queries: int = MAX_QUERIES, head_timeout: float = HEAD_TIMEOUT,
-                 body_timeout: float = BODY_TIMEOUT, workers=None, max_query_bytes: int = MAX_QUERY_BYTES,
-                 max_connections=None):
-        workers = default_workers(torch.device(retriever.encoder.device)) if workers is None else workers
-        self.batcher = Batcher(retriever, workers=workers, tokenize=retriever.encoder.query_features)
+    def __init__(self, retriever, host: str = "127.0.0.1", port: int = 8000, *,
+                 default_topk: int = TOPK, max_queries: int = MAX_QUERIES,
+                 head_timeout: float = HEAD_TIMEOUT, body_timeout: float = BODY_TIMEOUT,
+                 workers=None, max_query_bytes: int = MAX_QUERY_BYTES, max_connections=None):
+        workers = default_workers(torch.device(
+            retriever.encoder.device)) if workers is None else workers
+        self.batcher = Batcher(retriever, workers=workers,
+                               tokenize=retriever.encoder.query_features)
         self.retriever = retriever
-        budget = descriptor_budget()  # the index and the encoder are loaded: their descriptors are counted
-        self.connections = _Connections(budget if max_connections is None else max_connections)
+        # the index and the encoder are loaded: their descriptors are counted
+        budget = descriptor_budget()
+        self.connections = Connections(budget if max_connections is None else max_connections)
         listening = socket.create_server((host, port), backlog=BACKLOG)
-        self.socket = _ListeningSocket(fileno=listening.detach())
+        self.socket = ListeningSocket(fileno=listening.detach())
         self.socket.connections = self.connections
         self.server_port = self.socket.getsockname()[1]
-        protocol = type("_Protocol", (_DeadlineH11,), {"head_timeout": head_timeout, "slots": self.connections})
-        app = make_app(self.batcher, retriever.n_rows, default_topk, max_queries, body_timeout, max_query_bytes)
-        config = uvicorn.Config(app, http=protocol, lifespan="off", access_log=False, log_level="warning",
-                                backlog=BACKLOG)
+        protocol = type("_Protocol", (DeadlineH11, ),
+                        {"head_timeout": head_timeout, "slots": self.connections})
+        app = make_app(self.batcher, retriever.n_rows, default_topk, max_queries, body_timeout,
+                       max_query_bytes)
+        config = uvicorn.Config(app, http=protocol, lifespan="off", access_log=False,
+                                log_level="warning", backlog=BACKLOG)
         self.uvicorn, self._stopped = uvicorn.Server(config), threading.Event()
         self._stopped.set()
         if self.connections.cap > budget:  # after uvicorn.Config, which sets up its logger
-            LOG.warning(f"--max_connections {self.connections.cap} is above what the descriptor limit leaves "
-                        f"(ulimit -n {descriptor_limit()}: about {budget}); past that, accepting pauses")
+            LOG.warning(
+                f"--max_connections {self.connections.cap} is above what the descriptor limit leaves "
+                f"(ulimit -n {descriptor_limit()}: about {budget}); past that, accepting pauses")
 
     def serve_forever(self):
-        async def serve():  # uvicorn.Server.run, on asyncio's loop (never uvloop: `_ListeningSocket` needs asyncio's)
+        # uvicorn.Server.run, on asyncio's loop (never uvloop: `ListeningSocket` needs asyncio's)
+        async def serve():
             asyncio.get_running_loop().set_exception_handler(self._loop_error)
             await self.uvicorn.serve(sockets=[self.socket])
 
@@ -495,13 +414,17 @@ class RetrievalServer:
             self._stopped.set()
 
     def _loop_error(self, loop, context: dict):
-        """Out of descriptors, asyncio pauses accepting for ACCEPT_PAUSE s and reports it here: one line per
-        LOG_INTERVAL instead of a traceback per attempt. Anything else goes to asyncio's own handler."""
+        """Out of descriptors, asyncio pauses accepting for ACCEPT_PAUSE s and reports it here: one
+        line per LOG_INTERVAL instead of a traceback per attempt. Anything else goes to asyncio's
+        own handler."""
         error = context.get("exception")
-        if isinstance(error, OSError) and error.errno in OUT_OF_RESOURCES and "accept" in context.get("message", ""):
-            self.connections.log("accept", f"cannot accept connections ({error.strerror}): {self.connections.open} "
-                                           f"open, the descriptor limit is {descriptor_limit()} (ulimit -n); "
-                                           f"accepting pauses {ACCEPT_PAUSE:g} s at a time")
+        if isinstance(error,
+                      OSError) and error.errno in OUT_OF_RESOURCES and "accept" in context.get(
+                          "message", ""):
+            self.connections.log(
+                "accept", f"cannot accept connections ({error.strerror}): {self.connections.open} "
+                f"open, the descriptor limit is {descriptor_limit()} (ulimit -n); "
+                f"accepting pauses {ACCEPT_PAUSE:g} s at a time")
             return
         loop.default_exception_handler(context)
 
@@ -521,36 +444,39 @@ class RetrievalServer:
 
 
 def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, **options) -> RetrievalServer:
-    """A server over `retriever`, not yet serving; options: default_topk, max_queries, head_timeout, body_timeout,
-    workers, max_query_bytes, max_connections."""
+    """A server over `retriever`, not yet serving; options: default_topk, max_queries, head_timeout,
+    body_timeout, workers, max_query_bytes, max_connections."""
     return RetrievalServer(retriever, host, port, **options)
 
 
 def start_server(retriever, host: str = "127.0.0.1", port: int = 0, **options) -> tuple:
-    """Serve in a daemon thread -> (server, url of /retrieve); stop with server.shutdown(); server.server_close()."""
+    """Serve in a daemon thread -> (server, url of /retrieve); stop with server.shutdown();
+    server.server_close()."""
     server = make_server(retriever, host, port, **options)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://{host}:{server.server_port}/retrieve"
 
 
 def freeze_heap():
-    """Exempt everything loaded so far (torch, transformers, the model: ~4e5 objects) from Python's cyclic garbage
-    collector. Else a full collection, due every few seconds under load, walks them all for ~160 ms while holding the
-    GIL, and every request in flight waits: that stall was the whole p99 tail of the load test (DESIGN.md section 12;
-    figures in RESULTS.md). Only in the server's own process: training keeps the default collector."""
+    """Exempt everything loaded so far (torch, transformers, the model: ~4e5 objects) from Python's
+    cyclic garbage collector. Else a full collection, due every few seconds under load, walks them
+    all for ~160 ms while holding the GIL, and every request in flight waits: that stall was the
+    whole p99 tail of the load test (DESIGN.md section 12; figures in RESULTS.md). Only in the
+    server's own process: training keeps the default collector."""
     gc.collect()
     gc.freeze()
 
 
-def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None, cache_size: int = 100_000,
-          corpus=None, fp16: bool = False, faiss_gpu=None, cache_bytes: int = CACHE_BYTES, index_fp16: bool = False,
-          **options):
+def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None,
+          cache_size: int = 100_000, corpus=None, fp16: bool = False, faiss_gpu=None,
+          cache_bytes: int = CACHE_BYTES, index_fp16: bool = False, **options):
     """Load the index and serve it until interrupted."""
     retriever = Retriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu, cache_bytes,
                           index_fp16)
     with make_server(retriever, host, port, **options) as server:
-        print(f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve",
-              flush=True)
+        print(
+            f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve",
+            flush=True)
         freeze_heap()
         server.serve_forever()  # uvicorn stops on Ctrl-C / SIGTERM
 
@@ -579,37 +505,53 @@ BENCH_RANGES |= {name: (1, None, "") for name in ("clients", "requests", "querie
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Search-R1 compatible retrieval server: serve an index folder "
-                                                 "(retriever.py build), load-test a server.")
+    parser = argparse.ArgumentParser(
+        description="Search-R1 compatible retrieval server: serve an index folder "
+        "(retriever.py build), load-test a server.")
     sub = parser.add_subparsers(dest="command", required=True)
-    server = sub.add_parser("serve", help="Search-R1 compatible HTTP server (also: Search-R1's launch flags alone)")
-    server.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines (DEVIATION S13)")
+    server = sub.add_parser(
+        "serve", help="Search-R1 compatible HTTP server (also: Search-R1's launch flags alone)")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="0.0.0.0 to serve other machines (DEVIATION S13)")
     server.add_argument("--port", type=int, default=8000, help="0: any free port")
-    server.add_argument("--cache_size", type=int, default=100_000, help="answers cached, at most (0: no cache)")
-    server.add_argument("--cache_bytes", type=int, default=CACHE_BYTES, help="bytes of cached answers, at most")
-    server.add_argument("--topk", type=int, default=TOPK, help="for requests without 'topk' (Search-R1 --topk)")
-    server.add_argument("--max_queries", type=int, default=MAX_QUERIES, help="queries per request (DEVIATION S10)")
+    server.add_argument("--cache_size", type=int, default=100_000,
+                        help="answers cached, at most (0: no cache)")
+    server.add_argument("--cache_bytes", type=int, default=CACHE_BYTES,
+                        help="bytes of cached answers, at most")
+    server.add_argument("--topk", type=int, default=TOPK,
+                        help="for requests without 'topk' (Search-R1 --topk)")
+    server.add_argument("--max_queries", type=int, default=MAX_QUERIES,
+                        help="queries per request (DEVIATION S10)")
     server.add_argument("--max_query_bytes", type=int, default=MAX_QUERY_BYTES,
                         help="UTF-8 bytes per query (DEVIATION S15)")
-    server.add_argument("--max_connections", type=int, default=None, help="open connections, at most; past it a new "
-                        "one gets 503 (default: what the descriptor limit leaves; DEVIATION S16)")
-    server.add_argument("--retriever_name", default="e5", help="Search-R1's: sets the prefixes of an index file")
-    server.add_argument("--retriever_model", default=E5, help="Search-R1's: the encoder of an index file")
-    server.add_argument("--faiss_gpu", action="store_true", help="Search-R1's: FAISS on the GPUs (default: if any)")
+    server.add_argument(
+        "--max_connections", type=int, default=None,
+        help="open connections, at most; past it a new "
+        "one gets 503 (default: what the descriptor limit leaves; DEVIATION S16)")
+    server.add_argument("--retriever_name", default="e5",
+                        help="Search-R1's: sets the prefixes of an index file")
+    server.add_argument("--retriever_model", default=E5,
+                        help="Search-R1's: the encoder of an index file")
+    server.add_argument("--faiss_gpu", action="store_true",
+                        help="Search-R1's: FAISS on the GPUs (default: if any)")
     bench = sub.add_parser("bench",
                            help="load test of a server started on 127.0.0.1 (DESIGN.md section 12)")
     add_bench_flags(bench)
     server.add_argument("--workers", type=int, default=None, help=WORKERS_HELP)
     # --index_path / --corpus_path: Search-R1's names; an index file is accepted too
     server.add_argument("--index", "--index_path", dest="index", required=True)
-    server.add_argument("--corpus", "--corpus_path", dest="corpus", default=None,
-                        help="the corpus, if it moved since the build (required with an index file)")
+    server.add_argument(
+        "--corpus", "--corpus_path", dest="corpus", default=None,
+        help="the corpus, if it moved since the build (required with an index file)")
     server.add_argument("--device", default=None, help="default: cuda if any, else cpu")
-    server.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
-    server.add_argument("--index_fp16", action="store_true", help="the index's GPU shards in float16, answers "
-                        "certified exact (half the memory on each GPU beside training; DEVIATION S21)")
+    server.add_argument("--fp16", action="store_true",
+                        help="run the encoder in half precision (GPU)")
+    server.add_argument(
+        "--index_fp16", action="store_true", help="the index's GPU shards in float16, answers "
+        "certified exact (half the memory on each GPU beside training; DEVIATION S21)")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0].startswith("--") and argv[0] != "--help":  # Search-R1's launch line names no subcommand
+    # Search-R1's launch line names no subcommand
+    if argv and argv[0].startswith("--") and argv[0] != "--help":
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
     ranges = {"port": (0, 65535, ""), "topk": (1, MAX_TOPK, ""),
@@ -619,11 +561,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                for name in ("max_queries", "max_query_bytes", "max_connections")}
     check_flags(parser, args, ranges | BENCH_RANGES)
     if args.command == "serve" and "bm25" in args.retriever_name.lower() and not os.path.isfile(
-            os.path.join(args.index, "meta.json")):  # a pyserini (Lucene) index: Java's format, not read here
-        parser.error(f"--retriever_name bm25: {args.index} is not an index folder of retriever.py; build a BM25 one "
-                     "with `python retriever.py build --encoder bm25 --corpus CORPUS --out DIR` (retrieval/bm25.py)")
+            # a pyserini (Lucene) index: Java's format, not read here
+            os.path.join(args.index, "meta.json")):
+        parser.error(
+            f"--retriever_name bm25: {args.index} is not an index folder of retriever.py; build a BM25 one "
+            "with `python retriever.py build --encoder bm25 --corpus CORPUS --out DIR` (retrieval/bm25.py)"
+        )
     if args.command == "serve" and os.path.isfile(args.index) and not args.corpus:
-        parser.error(f"--index_path {args.index} is an index file: give its corpus with --corpus_path")
+        parser.error(
+            f"--index_path {args.index} is an index file: give its corpus with --corpus_path")
     return args
 
 
@@ -644,12 +590,14 @@ def main(argv=None):
     if args.command == "bench":
         run_bench(argv[1:])
     else:
-        index = search_r1_index_dir(args.index, args.corpus, args.retriever_model, args.retriever_name)
-        corpus = None if index != args.index else args.corpus  # a described folder records its corpus
+        index = search_r1_index_dir(args.index, args.corpus, args.retriever_model,
+                                    args.retriever_name)
+        # a described folder records its corpus
+        corpus = None if index != args.index else args.corpus
         serve(index, args.host, args.port, args.device, args.cache_size, corpus, args.fp16,
-              True if args.faiss_gpu else None, args.cache_bytes, args.index_fp16, default_topk=args.topk,
-              max_queries=args.max_queries,
-              workers=args.workers, max_query_bytes=args.max_query_bytes, max_connections=args.max_connections)
+              True if args.faiss_gpu else None, args.cache_bytes, args.index_fp16,
+              default_topk=args.topk, max_queries=args.max_queries, workers=args.workers,
+              max_query_bytes=args.max_query_bytes, max_connections=args.max_connections)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from lab import audit
+from lab import audit_scores
 from lab import audit_methods
 from methods import baselines
 from generation import engine
@@ -355,14 +356,14 @@ def test_bootstrap_se_matches_the_binomial_and_pairs_cancel():
     rng = np.random.default_rng(1)
     a = rng.choice([-1.0, 1.0], 400)
     est = np.where(np.arange(400) < 100, -a, a)[:, None]  # p = 0.25 wrong
-    se = audit.bootstrap_se(est, a, thr=0.5, draws=2000)
+    se = audit_scores.bootstrap_se(est, a, thr=0.5, draws=2000)
     assert se["wrong_sign_se"] == pytest.approx(math.sqrt(0.25 * 0.75 / 400), rel=0.1)
     x = (a + rng.normal(0, 1, 400))[:, None]
     y = x + rng.normal(0, 0.5, (400, 1))
     d = audit.corr_differences({"TWICE": x, "independent": x, "GRPO": y}, a)
     assert d["TWICE - independent"] == (0.0, 0.0)
     diff, se_d = d["TWICE - GRPO"]
-    assert diff > 0 and 0 < se_d < min(audit.bootstrap_se(e, a, 0.5)["corr_se"] for e in (x, y))
+    assert diff > 0 and 0 < se_d < min(audit_scores.bootstrap_se(e, a, 0.5)["corr_se"] for e in (x, y))
 
 
 def test_shortcut_bias_is_per_decision_not_a_signed_mean():

@@ -23,9 +23,9 @@ ORDER = [
     "credit", "retrieval.index", "retrieval.dense", "retrieval.bm25", "retriever",
     "rollout", "forks", "twice", "eval", "infra.lora", "infra.checkpoint",
     "methods.baselines", "methods.learned", "methods", "train_twice",
-    "retrieval.server",
+    "retrieval.limits", "retrieval.server",
     "worlds.lock", "worlds.base", "worlds.tiny", "worlds.chains", "worlds.build", "worlds.data",
-    "lab.report", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark",
+    "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark",
     "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_server", "perf.bench",
     "perf.gpucheck", "perf.probe",
 ]

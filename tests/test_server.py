@@ -24,6 +24,7 @@ import requests
 import retriever as R
 from perf import bench_server as B
 from retrieval import index as I
+from retrieval import limits as L
 from retrieval import server as S
 from test_retriever import KINDS, NAME0, ROOT, bits, dense, fresh, one_thread, world  # noqa: F401
 
@@ -592,7 +593,7 @@ def test_descriptor_exhaustion_is_logged_once_per_interval(world, tmp_path):
             sock.setblocking(False)
         refused = sum(_received(sock).startswith(b"HTTP/1.1 503 ") for sock in idle)
         assert 300 - 160 <= refused < 300, refused  # the cap is below the limit, and above nothing
-        assert len(lines) <= 2 * seconds / S.LOG_INTERVAL + 2, lines[:5]
+        assert len(lines) <= 2 * seconds / L.LOG_INTERVAL + 2, lines[:5]
         for sock in idle:
             sock.close()
         assert requests.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200

@@ -1,9 +1,11 @@
-"""What both built-in worlds (DESIGN.md section 9) are made of: invented names and their look-alikes, the entity
-table's relations and documents, and scripted episodes as the rollout sees them (text, tokens, exact match).
+"""What both built-in worlds (DESIGN.md section 9) are made of: invented names and their
+look-alikes, the entity table's relations and documents, and scripted episodes as the rollout sees
+them (text, tokens, exact match).
 
-The tiny world (worlds/tiny.py) and the chains world (worlds/chains.py) write their entity tables, documents and
-scripts with these pieces; worlds/build.py builds either from them. This file knows no world: no question type, no script
-probability, no preset, and nothing of the index, the tokenizer or behaviour cloning (worlds/build.py's).
+The tiny world (worlds/tiny.py) and the chains world (worlds/chains.py) write their entity tables,
+documents and scripts with these pieces; worlds/build.py builds either from them. This file knows no
+world: no question type, no script probability, no preset, and nothing of the index, the tokenizer
+or behaviour cloning (worlds/build.py's).
 """
 import numpy as np
 
@@ -18,27 +20,33 @@ SUFFIX = {"country": ("land", "ia", "stan", "ova"), "city": ("ton", "by", "ford"
 ONSETS = "b br d dr f g gr h k kl l m n p pr r s sk st t tr v z".split()
 MIDS = "l ld lm n nd r rk rm rv s sh st th v x z".split()
 VOWELS = "aeiou"
-TAGS = ("<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>")
-KINDS = ("countries", "cities", "companies", "people")  # the entity table's kinds, in the corpus's order
+TAGS = ("<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>", "<information>",
+        "</information>")
+# the entity table's kinds, in the corpus's order
+KINDS = ("countries", "cities", "companies", "people")
 
 
 def make_rng(seed, *tags):
-    """Independent numpy stream per (seed, tags) by SeedSequence integer mixing (never Python's hash())."""
+    """Independent numpy stream per (seed, tags) by SeedSequence integer mixing (never Python's
+    hash())."""
     return np.random.default_rng([seed, *tags])
 
 
 def make_name(rng, kind, taken):
     """A new invented, capitalised, single-word name (letters only, so it is one pre-token)."""
     while True:
-        stem = rng.choice(ONSETS) + rng.choice(list(VOWELS)) + rng.choice(MIDS) + rng.choice(list(VOWELS))
-        name = (stem + rng.choice(list("knrsltx")) if kind == "person" else stem + rng.choice(SUFFIX[kind])).title()
+        stem = rng.choice(ONSETS) + rng.choice(list(VOWELS)) + rng.choice(MIDS) + rng.choice(
+            list(VOWELS))
+        name = (stem + rng.choice(list("knrsltx")) if kind == "person" else stem +
+                rng.choice(SUFFIX[kind])).title()
         if name.lower() not in taken:
             taken.add(name.lower())
             return name
 
 
 def lookalike_name(rng, name, taken):
-    """Same name with the last vowel changed (Zorvak -> Zorvik); None when every variant is taken."""
+    """Same name with the last vowel changed (Zorvak -> Zorvik); None when every variant is taken.
+    """
     i = max(k for k, ch in enumerate(name) if ch in VOWELS)
     for v in rng.permutation(list(VOWELS)):
         cand = name[:i] + v + name[i + 1:]
@@ -52,11 +60,13 @@ def relation(world, name, rel):
     """Value of `rel` for an entity (None when the entity does not have it)."""
     if rel in ("born", "works"):
         return world["people"].get(name, {}).get(rel)
-    return {"in": world["cities"], "based": world["companies"], "founded": world["companies"]}[rel].get(name)
+    return {"in": world["cities"], "based": world["companies"],
+            "founded": world["companies"]}[rel].get(name)
 
 
 def entity_names(world):
-    return world["countries"] + list(world["cities"]) + list(world["companies"]) + list(world["people"])
+    return world["countries"] + list(world["cities"]) + list(world["companies"]) + list(
+        world["people"])
 
 
 def kind_of(world, name):
@@ -78,7 +88,8 @@ def episode_response(turns):
 
 
 def encode_episode(tok, question, turns, cache):
-    """(ids, loss mask) exactly as the rollout tokenises: prompt, each turn alone, each observation alone (<= 500)."""
+    """(ids, loss mask) exactly as the rollout tokenises: prompt, each turn alone, each observation
+    alone (<= 500)."""
     def enc(text):
         if text not in cache:
             cache[text] = tok(text, add_special_tokens=False)["input_ids"]
@@ -97,8 +108,11 @@ def encode_episode(tok, question, turns, cache):
 def scripted_em(episode, world, questions, top, seed, perfect):
     """Exact match of a world's script `episode` (its scripted_episode) on `questions`."""
     rng = make_rng(seed, 4)
-    return float(np.mean([reward(episode_response(episode(q, world, top, rng, perfect)[0]), q["golden_answers"])
-                          for q in questions]))
+    return float(
+        np.mean([
+            reward(episode_response(episode(q, world, top, rng, perfect)[0]), q["golden_answers"])
+            for q in questions
+        ]))
 
 
 def count_questions(rows):
@@ -117,4 +131,7 @@ def decision_freqs(logs):
         for row, pick in log:
             counts.setdefault(row, {}).setdefault(pick, 0)
             counts[row][pick] += 1
-    return {row: {k: round(v / sum(c.values()), 3) for k, v in sorted(c.items())} for row, c in counts.items()}
+    return {
+        row: {k: round(v / sum(c.values()), 3) for k, v in sorted(c.items())}
+        for row, c in counts.items()
+    }

@@ -1,29 +1,33 @@
-"""The chains world (DESIGN.md section 9; `worlds/build.py --preset chains`): where decisions come early and their outcome
-late. Same generator, formats and code paths as the tiny world (worlds/tiny.py).
+"""The chains world (DESIGN.md section 9; `worlds/build.py --preset chains`): where decisions come
+early and their outcome late. Same generator, formats and code paths as the tiny world
+(worlds/tiny.py).
 
-- Entities: one chain of relations, worker -works-> company -founded-> founder -born-> city -in-> country. Cities,
-  founders, companies and workers come in look-alike pairs whose chains differ at every link; every document names
-  a second entity of its kind (the misread fact).
-- Questions: an H-hop question (H = 1..4, 40% 4-hop) asks for the H-th link from a worker and needs exactly H
-  searches (max_turns = 4 is just enough for 4 hops).
-- Scripts: each scripted turn thinks in a <think> block of 1-3 information-free sentences plus what was read and
-  what is needed (~55 tokens). The scripts make a different plausible mistake at each hop (CHAIN_PROBS): search the
-  look-alike, misread the other entity's fact, answer a bridge early, stop one hop short (the majority at the last
-  bridge, so greedy decoding fails there).
-- Stats (world.json): the measured warm-start figures and the share of decisions with positive oracle advantage
-  (Monte Carlo through rollout.continue_from) in failed episodes; `stop_calibration` (`worlds/build.py --calibration`)
-  reads a built world's stop decisions.
+- Entities: one chain of relations, worker -works-> company -founded-> founder -born-> city -in->
+  country. Cities, founders, companies and workers come in look-alike pairs whose chains differ at
+  every link; every document names a second entity of its kind (the misread fact).
+- Questions: an H-hop question (H = 1..4, 40% 4-hop) asks for the H-th link from a worker and needs
+  exactly H searches (max_turns = 4 is just enough for 4 hops).
+- Scripts: each scripted turn thinks in a <think> block of 1-3 information-free sentences plus what
+  was read and what is needed (~55 tokens). The scripts make a different plausible mistake at each
+  hop (CHAIN_PROBS): search the look-alike, misread the other entity's fact, answer a bridge early,
+  stop one hop short (the majority at the last bridge, so greedy decoding fails there).
+- Stats (world.json): the measured warm-start figures and the share of decisions with positive
+  oracle advantage (Monte Carlo through rollout.continue_from) in failed episodes;
+  `stop_calibration` (`worlds/build.py --calibration`) reads a built world's stop decisions.
 
-This file knows the chains world's entities, questions, scripts and statistics; the index, the tokenizer, behaviour
-cloning and the folder it is built into are worlds/build.py's.
+This file knows the chains world's entities, questions, scripts and statistics; the index, the
+tokenizer, behaviour cloning and the folder it is built into are worlds/build.py's.
 
 Deviations (DESIGN.md section 13):
-W10. The paper's turns think in free text of hundreds of tokens; ours draw 1-3 of 12 fixed, information-free
-   sentences (+ what was read and what is needed), so turns are long and of varying length but their reasoning is
-   not real: only the action and the names copied into the think block carry a decision.
-W11. The share of good decisions in failed episodes is estimated from a few Monte Carlo continuations (6 per side)
-   per decision on a sample of 16 sampled test episodes, not the audit's 64 (build-time budget).
-W12. The warm-start statistics are measured on the test split only (the split the trainer evaluates).
+W10. The paper's turns think in free text of hundreds of tokens; ours draw 1-3 of 12 fixed,
+   information-free sentences (+ what was read and what is needed), so turns are long and of varying
+   length but their reasoning is not real: only the action and the names copied into the think block
+   carry a decision.
+W11. The share of good decisions in failed episodes is estimated from a few Monte Carlo
+   continuations (6 per side) per decision on a sample of 16 sampled test episodes, not the audit's
+   64 (build-time budget).
+W12. The warm-start statistics are measured on the test split only (the split the trainer
+     evaluates).
 """
 import json
 import os
@@ -32,27 +36,34 @@ import time
 import numpy as np
 
 from protocol import INSTRUCTION, information_block
-from worlds.base import (CONFUSABLE_FRAC, KINDS, MAX_SEARCHES, TAGS, TOPK, count_questions, decision_freqs,
-                        doc_title, docs_text, encode_episode, entity_names, lookalike_name, make_name, make_rng,
-                        relation, scripted_em)
+from worlds.base import (CONFUSABLE_FRAC, KINDS, MAX_SEARCHES, TAGS, TOPK, count_questions,
+                         decision_freqs, doc_title, docs_text, encode_episode, entity_names,
+                         lookalike_name, make_name, make_rng, relation, scripted_em)
 
 
 CHAIN_RELS = ("works", "founded", "born", "in")
-# Scripted-demonstration probabilities of the chains world (saved in world.json). Each row is one decision.
+# Scripted-demonstration probabilities of the chains world (saved in world.json). Each row is one
+# decision.
 CHAIN_PROBS = {
-    # every search: the entity the chain needs / its look-alike (whose document points down a wrong chain)
+    # every search: the entity the chain needs / its look-alike (whose document points down a wrong
+    # chain)
     "search": {"right": 0.85, "lookalike": 0.15},
-    # the first search for a "confusable" worker: the look-alike is the majority (greedy fails; RL can fix it)
+    # the first search for a "confusable" worker: the look-alike is the majority (greedy fails; RL
+    # can fix it)
     "search_confusable": {"right": 0.35, "lookalike": 0.65},
-    # the look-alike's document came back: notice it and search the right name (one search spent) / trust it
+    # the look-alike's document came back: notice it and search the right name (one search spent) /
+    # trust it
     "after_lookalike": {"notice": 0.30, "trust": 0.70},
-    # reading the searched entity's document: its own fact / the fact about the other entity it names (misread)
+    # reading the searched entity's document: its own fact / the fact about the other entity it
+    # names (misread)
     "read": {"right": 0.88, "misread": 0.12},
-    # a bridge entity was read and two or more hops remain: search it / answer it (answer a bridge early)
+    # a bridge entity was read and two or more hops remain: search it / answer it (answer a bridge
+    # early)
     "bridge": {"continue": 0.88, "answer_early": 0.12},
-    # the last bridge was read (one hop remains): search it / answer it (stop one hop short; the majority, so
-    # greedy decoding fails every question of 2 or more hops until RL fixes it). 0.65, not 0.55: at 0.55 the cloned
-    # policy's stop probability came out on either side of 1/2 by position, and greedy passed some 3-4 hop questions
+    # the last bridge was read (one hop remains): search it / answer it (stop one hop short; the
+    # majority, so greedy decoding fails every question of 2 or more hops until RL fixes it). 0.65,
+    # not 0.55: at 0.55 the cloned policy's stop probability came out on either side of 1/2 by
+    # position, and greedy passed some 3-4 hop questions
     "last_bridge": {"continue": 0.35, "stop_short": 0.65},
 }
 CHAIN_QTYPES = {  # type: (hops, goal, templates); 4-hop gets two templates, so 40% of the questions need 4 searches
@@ -64,28 +75,36 @@ CHAIN_QTYPES = {  # type: (hops, goal, templates); 4-hop gets two templates, so 
         "In which country was the founder of the company that {} works for born?",
         "What is the home country of the founder of the employer of {}?")),
 }
-# Every think block opens by restating the goal, its kind and the kind one link before it ("a city where a founder
-# was born"): whether the fact just read is the last bridge is then whether its kind word (CHAIN_FACT) occurs in the
-# goal sentence a few tokens back. With the goal's kind alone ("a city"), BC had to learn a table of (goal, fact)
-# pairs and did not: the 3-hop last-bridge decision came out "continue" (warm-start greedy EM 0.71 on 3 hops).
+# Every think block opens by restating the goal, its kind and the kind one link before it ("a city
+# where a founder was born"): whether the fact just read is the last bridge is then whether its kind
+# word (CHAIN_FACT) occurs in the goal sentence a few tokens back. With the goal's kind alone ("a
+# city"), BC had to learn a table of (goal, fact) pairs and did not: the 3-hop last-bridge decision
+# came out "continue" (warm-start greedy EM 0.71 on 3 hops).
 CHAIN_GOAL = "The question asks for {}."
-# A think block ends with the decision: "Next I need ..." (search) or "So the answer is ..." (answer); "Next" and
-# "So" occur nowhere else, so BC can weight the decision tokens (chains_token_weight).
-CHAIN_NEED = {"works": "Next I need the company that {} works for.", "founded": "Next I need the founder of {}.",
-              "born": "Next I need the city where {} was born.", "in": "Next I need the country of {}."}
-# What a think block says it read: the value's kind is named, the word of the goal sentence (CHAIN_GOAL), so the
-# stop decision compares two equal words (with the documents' wording the BC policy searched on after the answer).
+# A think block ends with the decision: "Next I need ..." (search) or "So the answer is ..."
+# (answer); "Next" and "So" occur nowhere else, so BC can weight the decision tokens
+# (chains_token_weight).
+CHAIN_NEED = {
+    "works": "Next I need the company that {} works for.",
+    "founded": "Next I need the founder of {}.", "born": "Next I need the city where {} was born.",
+    "in": "Next I need the country of {}."
+}
+# What a think block says it read: the value's kind is named, the word of the goal sentence
+# (CHAIN_GOAL), so the stop decision compares two equal words (with the documents' wording the BC
+# policy searched on after the answer).
 CHAIN_FACT = {"works": "{} works for the company {}.", "founded": "{} has the founder {}.",
               "born": "{} was born in the city {}.", "in": "{} is in the country {}."}
-CHAIN_DOC = {  # an entity's document names a second entity of its kind: reading the right fact is a decision
+# an entity's document names a second entity of its kind: reading the right fact is a decision
+CHAIN_DOC = {
     "works": "{} works for {}. {} knows {}, who works for {}.",
     "founded": "{} was founded by {}. {} competes with {}, which was founded by {}.",
     "born": "{} was born in {}. {} met {}, who was born in {}.",
     "in": "{} is a city in {}. {} is near {}, a city in {}.",
 }
 CHAIN_NOTICE, CHAIN_ANSWER = "The document is about {}, not {}.", "So the answer is {}."
-# DEVIATION W10: think-block sentences without information; each turn's <think> carries 1 to 3 of them, so turns
-# are ~55 tokens of varying length and a twin's cost is comparable to a continuation's.
+# DEVIATION W10: think-block sentences without information; each turn's <think> carries 1 to 3 of
+# them, so turns are ~55 tokens of varying length and a twin's cost is comparable to a
+# continuation's.
 FILLERS = (
     "The question asks for one fact at the end of a chain of facts.",
     "I should follow the chain one link at a time and not skip a step.",
@@ -100,13 +119,16 @@ FILLERS = (
     "Let me reason step by step before I decide what to do next.",
     "The information I have now may not be enough to answer yet.",
 )
-CHAIN_SCALES = {  # entity counts (pairs of look-alikes); policy and BC; warm-start evaluation and oracle sample
-    "full": dict(countries=10, city_pairs=20, founder_pairs=20, company_pairs=20, worker_pairs=60, test_pairs=12,
-                 hidden=64, layers=2, init=0.1, bc_steps=1600, bc_batch=16, lr=3e-3, name_weight=10,
-                 eval_questions=120, eval_group=5, eval_max_new=128, oracle_episodes=16, oracle_rollouts=6),
-    "test": dict(countries=3, city_pairs=3, founder_pairs=3, company_pairs=3, worker_pairs=4, test_pairs=1,
-                 hidden=32, layers=2, init=0.1, bc_steps=6, bc_batch=4, lr=3e-3, name_weight=5, eval_questions=3,
-                 eval_group=2, eval_max_new=24, oracle_episodes=2, oracle_rollouts=2),
+# entity counts (pairs of look-alikes); policy and BC; warm-start evaluation and oracle sample
+CHAIN_SCALES = {
+    "full": dict(countries=10, city_pairs=20, founder_pairs=20, company_pairs=20, worker_pairs=60,
+                 test_pairs=12, hidden=64, layers=2, init=0.1, bc_steps=1600, bc_batch=16, lr=3e-3,
+                 name_weight=10, eval_questions=120, eval_group=5, eval_max_new=128,
+                 oracle_episodes=16, oracle_rollouts=6),
+    "test": dict(countries=3, city_pairs=3, founder_pairs=3, company_pairs=3, worker_pairs=4,
+                 test_pairs=1, hidden=32, layers=2, init=0.1, bc_steps=6, bc_batch=4, lr=3e-3,
+                 name_weight=5, eval_questions=3, eval_group=2, eval_max_new=24, oracle_episodes=2,
+                 oracle_rollouts=2),
 }
 
 
@@ -122,8 +144,8 @@ def _pairs(rng, kind, n, taken):
 
 
 def _pick_pair_values(rng, options, chain):
-    """Two values from `options` whose chains (value and every later link) differ link by link: a look-alike's
-    document then points down a chain that never rejoins the right one."""
+    """Two values from `options` whose chains (value and every later link) differ link by link: a
+    look-alike's document then points down a chain that never rejoins the right one."""
     while True:
         u, v = (str(x) for x in rng.choice(options, 2, replace=False))
         if all(a != b for a, b in zip(chain(u), chain(v))):
@@ -140,17 +162,22 @@ def chain_of(world, name, rels):
 
 
 def make_chains_world(seed, scale="full"):
-    """Entity table of the chains world: look-alike pairs of cities, founders, companies and workers."""
-    s, rng, taken = CHAIN_SCALES[scale], make_rng(seed, 0, 1), set(w.lower() for w in INSTRUCTION.split())
-    world = {"preset": "chains", "seed": seed, "scale": scale, "countries": [], "cities": {}, "companies": {},
-             "people": {}, "lookalike": {}, "neighbour": {}}
+    """Entity table of the chains world: look-alike pairs of cities, founders, companies and
+    workers."""
+    s, rng, taken = CHAIN_SCALES[scale], make_rng(seed, 0, 1), set(w.lower()
+                                                                   for w in INSTRUCTION.split())
+    world = {
+        "preset": "chains", "seed": seed, "scale": scale, "countries": [], "cities": {},
+        "companies": {}, "people": {}, "lookalike": {}, "neighbour": {}
+    }
     world["countries"] = [make_name(rng, "country", taken) for _ in range(s["countries"])]
     for i, pair in enumerate(_pairs(rng, "city", s["city_pairs"], taken)):
         for j, c in enumerate(pair):  # a pair lies in two different countries
             world["cities"][c] = world["countries"][(2 * i + j) % len(world["countries"])]
     founders = _pairs(rng, "person", s["founder_pairs"], taken)
     for a, b in founders:
-        x, y = _pick_pair_values(rng, list(world["cities"]), lambda v: chain_of(world, v, ("in",)) + [v])
+        x, y = _pick_pair_values(rng, list(world["cities"]), lambda v: chain_of(world, v,
+                                                                                ("in", )) + [v])
         world["people"][a], world["people"][b] = {"born": x}, {"born": y}
     companies = _pairs(rng, "company", s["company_pairs"], taken)
     for a, b in companies:
@@ -160,13 +187,15 @@ def make_chains_world(seed, scale="full"):
     workers = _pairs(rng, "person", s["worker_pairs"], taken)
     conf = set(rng.permutation(len(workers))[:round(CONFUSABLE_FRAC * len(workers))].tolist())
     for k, (a, b) in enumerate(workers):
-        c, d = _pick_pair_values(rng, list(world["companies"]), lambda v: chain_of(world, v, CHAIN_RELS[1:]) + [v])
+        c, d = _pick_pair_values(rng, list(world["companies"]),
+                                 lambda v: chain_of(world, v, CHAIN_RELS[1:]) + [v])
         world["people"][a], world["people"][b] = ({"works": c, "confusable": k in conf},
                                                   {"works": d, "confusable": k in conf})
     for a, b in (*_pairs_of(world["cities"]), *founders, *companies, *workers):
         world["lookalike"][a], world["lookalike"][b] = b, a
     _set_neighbours(world, rng)
-    world["test_subjects"] = sorted(p for pair in workers[len(workers) - s["test_pairs"]:] for p in pair)
+    world["test_subjects"] = sorted(p for pair in workers[len(workers) - s["test_pairs"]:]
+                                    for p in pair)
     return world
 
 
@@ -181,8 +210,8 @@ def _pairs_of(d):
 
 
 def _set_neighbours(world, rng):
-    """Each non-country entity's document names a second entity of its role (not its look-alike) whose fact
-    differs: the misread fact."""
+    """Each non-country entity's document names a second entity of its role (not its look-alike)
+    whose fact differs: the misread fact."""
     for rel in CHAIN_RELS:
         group = [n for n in entity_names(world) if relation(world, n, rel) is not None]
         for n in group:
@@ -197,16 +226,20 @@ def chain_rel(world, name):
 
 
 def chains_corpus_rows(world):
-    """One document per entity, '"Title"\\ntext' as in wiki-18: its fact and a second entity's (CHAIN_DOC)."""
+    """One document per entity, '"Title"\\ntext' as in wiki-18: its fact and a second entity's
+    (CHAIN_DOC)."""
     docs = [(c, f"{c} is a country.") for c in world["countries"]]
     for n in list(world["cities"]) + list(world["companies"]) + list(world["people"]):
         rel, m = chain_rel(world, n), world["neighbour"][n]
-        docs.append((n, CHAIN_DOC[rel].format(n, relation(world, n, rel), n, m, relation(world, m, rel))))
-    return [{"id": str(i), "contents": f'"{title}"\n{text}'} for i, (title, text) in enumerate(docs)]
+        docs.append((n, CHAIN_DOC[rel].format(n, relation(world, n, rel), n, m,
+                                              relation(world, m, rel))))
+    return [{"id": str(i), "contents": f'"{title}"\n{text}'}
+            for i, (title, text) in enumerate(docs)]
 
 
 def chains_question_rows(world, split):
-    """QA rows of a split; `metadata` (type, subject, hops, chain, goal) is for the script and the audit."""
+    """QA rows of a split; `metadata` (type, subject, hops, chain, goal) is for the script and the
+    audit."""
     test, rows = set(world["test_subjects"]), []
     workers = [p for p, a in world["people"].items() if "works" in a]
     for qtype, (hops, goal, templates) in CHAIN_QTYPES.items():
@@ -215,47 +248,55 @@ def chains_question_rows(world, split):
                 continue
             chain = chain_of(world, subj, CHAIN_RELS[:hops])
             for t in templates:
-                rows.append({"id": f"{split}_{len(rows)}", "question": t.format(subj), "golden_answers": [chain[-1]],
-                             "data_source": f"chains_{hops}hop", "metadata": {"type": qtype, "subject": subj,
-                                                                               "hops": hops, "chain": chain,
-                                                                               "goal": goal}})
+                rows.append({
+                    "id": f"{split}_{len(rows)}", "question": t.format(subj),
+                    "golden_answers": [chain[-1]], "data_source": f"chains_{hops}hop", "metadata": {
+                        "type": qtype, "subject": subj, "hops": hops, "chain": chain, "goal": goal
+                    }
+                })
     return rows
 
 
 def chains_texts(name):
     """Every think sentence once, so that each of its words becomes one token."""
-    sentences = [*FILLERS, *(t.format(name, name) for t in (*CHAIN_NEED.values(), *CHAIN_FACT.values())),
-                 CHAIN_NOTICE.format(name, name), CHAIN_ANSWER.format(name),
-                 *(CHAIN_GOAL.format(goal) for _, goal, _ in CHAIN_QTYPES.values())]
-    return [" ".join(sentences + sentences)]  # each sentence once after a space, as inside a think block
+    sentences = [
+        *FILLERS, *(t.format(name, name) for t in (*CHAIN_NEED.values(), *CHAIN_FACT.values())),
+        CHAIN_NOTICE.format(name, name),
+        CHAIN_ANSWER.format(name), *(CHAIN_GOAL.format(goal)
+                                     for _, goal, _ in CHAIN_QTYPES.values())
+    ]
+    # each sentence once after a space, as inside a think block
+    return [" ".join(sentences + sentences)]
 
 
 def think_text(rng, head, tail):
-    """<think> body: 1 to 3 fillers, the sentences of `head` (goal, what was read), then `tail` (the decision): the
-    decision sits a few tokens after the goal and the fact it compares (far from them, BC did not learn it)."""
+    """<think> body: 1 to 3 fillers, the sentences of `head` (goal, what was read), then `tail` (the
+    decision): the decision sits a few tokens after the goal and the fact it compares (far from
+    them, BC did not learn it)."""
     fill = rng.choice(len(FILLERS), int(rng.integers(1, 4)), replace=False)
     return " ".join([*(FILLERS[i] for i in fill), *head, tail])
 
 
 def chains_token_weight(tok, table, weight):
-    """(V,) BC weight of each target token: `weight` for the names and the decision and kind words, 1 elsewhere.
-    Fillers make ~60% of the target tokens and dilute the few tokens that carry a decision; unweighted (first build,
-    3 layers, 400 steps), the policy did not learn to copy names: test greedy EM 0.00, sampled 0.007."""
+    """(V,) BC weight of each target token: `weight` for the names and the decision and kind words,
+    1 elsewhere. Fillers make ~60% of the target tokens and dilute the few tokens that carry a
+    decision; unweighted (first build, 3 layers, 400 steps), the policy did not learn to copy names:
+    test greedy EM 0.00, sampled 0.007."""
     import torch
     w = torch.ones(len(tok))
     words = ["Next", "So", "company", "founder", "city", "country"]
     w[torch.cat(table[:2])] = float(weight)
     w[torch.tensor([tok.convert_tokens_to_ids("\u0120" + x) for x in words])] = float(weight)
-    # the action tags too: unweighted, 11.6% of sampled warm-start turns were invalid actions (e.g. </answer> closing
-    # a search)
+    # the action tags too: unweighted, 11.6% of sampled warm-start turns were invalid actions (e.g.
+    # </answer> closing a search)
     w[torch.tensor(tok.convert_tokens_to_ids(list(TAGS)))] = float(weight)
     return w
 
 
 def chains_episode(q, world, top, rng, perfect=False):
-    """One scripted chains episode: ([(turn_text, observation or None)], [(decision, choice)]); the same contract
-    as world_tiny.scripted_episode. Choices follow CHAIN_PROBS (perfect: always the first); fillers are drawn either
-    way."""
+    """One scripted chains episode: ([(turn_text, observation or None)], [(decision, choice)]); the
+    same contract as world_tiny.scripted_episode. Choices follow CHAIN_PROBS (perfect: always the
+    first); fillers are drawn either way."""
     hops, look, turns, log = q["metadata"]["hops"], world["lookalike"], [], []
     state = {"searches": 0}
 
@@ -282,7 +323,8 @@ def chains_episode(q, world, top, rng, perfect=False):
         entity = doc_title(top[name][0])
         if entity != target and choose("after_lookalike", None if state["searches"] < MAX_SEARCHES
                                         else ("trust",)) == "notice":
-            act([CHAIN_NOTICE.format(entity, target)], CHAIN_NEED[rel].format(target), "search", target)
+            act([CHAIN_NOTICE.format(entity, target)], CHAIN_NEED[rel].format(target), "search",
+                target)
             entity = target
         source = entity if choose("read") == "right" else world["neighbour"][entity]
         value = relation(world, source, rel)
@@ -298,42 +340,56 @@ def chains_episode(q, world, top, rng, perfect=False):
 
 
 def chains_warm_start(model, tok, retr, questions, group, seed, max_new):
-    """Warm-start policy through rollout.run_episodes (the training path): greedy (T = 0, one line) and sampled
-    (T = 1, `group` lines) EM overall and per hop count, mixed groups, turns and generated tokens per turn."""
+    """Warm-start policy through rollout.run_episodes (the training path): greedy (T = 0, one line)
+    and sampled (T = 1, `group` lines) EM overall and per hop count, mixed groups, turns and
+    generated tokens per turn."""
     from protocol import Protocol
     from rollout import run_episodes, start_episodes
     def proto(temp):
         return Protocol(temperature=temp, max_new_tokens=max_new, gen_batch_size=128)
     greedy = run_episodes(model, tok, retr, start_episodes(tok, questions, seed, 0, 1), proto(0.0))
-    sampled = run_episodes(model, tok, retr, start_episodes(tok, questions, seed, 1, group), proto(1.0))
+    sampled = run_episodes(model, tok, retr, start_episodes(tok, questions, seed, 1, group),
+                           proto(1.0))
     g = np.array([e.reward for e in greedy])
     s = np.array([e.reward for e in sampled]).reshape(len(questions), group)
     hops = np.array([q["metadata"]["hops"] for q in questions])
     turns = [t for e in sampled for t in e.turns]
-    out = {"questions": len(questions), "group": group, "greedy_em": float(g.mean()), "sampled_em": float(s.mean()),
-           "mixed_groups": float(((s.min(1) == 0) & (s.max(1) == 1)).mean()),
-           "turns_mean": len(turns) / len(sampled),
-           "tokens_per_turn_mean": float(np.mean([t.end - t.start for t in turns])),
-           "tokens_per_turn_sd": float(np.std([t.end - t.start for t in turns])),
-           "turns_cut_at_max_new": float(np.mean([t.stop == "length" for t in turns])),
-           "actions": {a: float(np.mean([t.action == a for t in turns])) for a in ("search", "answer", None)}}
-    out["per_hop"] = {f"{h}hop": {"questions": int((hops == h).sum()), "greedy_em": float(g[hops == h].mean()),
-                                  "sampled_em": float(s[hops == h].mean())} for h in sorted(set(hops.tolist()))}
+    out = {
+        "questions": len(questions), "group": group, "greedy_em": float(g.mean()),
+        "sampled_em": float(s.mean()), "mixed_groups": float(
+            ((s.min(1) == 0) & (s.max(1) == 1)).mean()),
+        "turns_mean": len(turns) / len(sampled), "tokens_per_turn_mean": float(
+            np.mean([t.end - t.start for t in turns])), "tokens_per_turn_sd": float(
+                np.std([t.end - t.start for t in turns])), "turns_cut_at_max_new": float(
+                    np.mean([t.stop == "length" for t in turns])), "actions": {
+                        a: float(np.mean([t.action == a for t in turns]))
+                        for a in ("search", "answer", None)
+                    }
+    }
+    out["per_hop"] = {
+        f"{h}hop": {
+            "questions": int((hops == h).sum()), "greedy_em": float(g[hops == h].mean()),
+            "sampled_em": float(s[hops == h].mean())
+        } for h in sorted(set(hops.tolist()))
+    }
     return out, sampled
 
 
 def oracle_share(model, tok, retr, episodes, rollouts, max_new):
-    """Oracle A*(s_t, y_t) = Q - V of every decision of `episodes` from `rollouts` Monte Carlo continuations per side
-    (rollout.continue_from, the audit's keys: fresh_key(key, MC_Q_TAG / MC_V_TAG, t, k)); the share of decisions
-    with A* > 0 that sit in failed episodes: good decisions that GRPO's outcome-only credit punishes."""
+    """Oracle A*(s_t, y_t) = Q - V of every decision of `episodes` from `rollouts` Monte Carlo
+    continuations per side (rollout.continue_from, the audit's keys: fresh_key(key, MC_Q_TAG /
+    MC_V_TAG, t, k)); the share of decisions with A* > 0 that sit in failed episodes: good decisions
+    that GRPO's outcome-only credit punishes."""
     import protocol
     import rollout
     import sampler
     proto = protocol.Protocol(temperature=1.0, max_new_tokens=max_new, gen_batch_size=128)
     dec = [(ep, t) for ep in episodes for t in range(len(ep.turns))]
     reqs = [(ep, t, inc, sampler.fresh_key(ep.key, tag, t, k)) for ep, t in dec
-            for inc, tag in ((True, sampler.MC_Q_TAG), (False, sampler.MC_V_TAG)) for k in range(rollouts)]
-    u = np.array([e.reward for e in rollout.continue_from(model, tok, retr, reqs, proto)]).reshape(len(dec), 2, -1)
+            for inc, tag in ((True, sampler.MC_Q_TAG), (False, sampler.MC_V_TAG))
+            for k in range(rollouts)]
+    u = np.array([e.reward for e in rollout.continue_from(model, tok, retr, reqs, proto)]).reshape(
+        len(dec), 2, -1)
     a = u[:, 0].mean(1) - u[:, 1].mean(1)
     failed = np.array([ep.reward == 0 for ep, _ in dec])
     pos, big = a > 0, a >= 0.5
@@ -345,55 +401,80 @@ def oracle_share(model, tok, retr, episodes, rollouts, max_new):
 
 
 def chains_stats(model, tok, retr, world, split, top, demos, seed, sc, times):
-    """world.json's stats of the chains world: all measured here, on the test split for the policy."""
-    # DEVIATION W12: warm-start figures on the test split only; DEVIATION W11: oracle_episodes x oracle_rollouts
+    """world.json's stats of the chains world: all measured here, on the test split for the policy.
+    """
+    # DEVIATION W12: warm-start figures on the test split only; DEVIATION W11: oracle_episodes x
+    # oracle_rollouts
     t = time.time()
     rng = make_rng(seed, 5)
     test = split["test"]
     questions = [test[k] for k in sorted(rng.permutation(len(test))[:sc["eval_questions"]])]
-    warm, sampled = chains_warm_start(model, tok, retr, questions, sc["eval_group"], seed, sc["eval_max_new"])
+    warm, sampled = chains_warm_start(model, tok, retr, questions, sc["eval_group"], seed,
+                                      sc["eval_max_new"])
     times["eval_s"], t = time.time() - t, time.time()
     pick = sorted(make_rng(seed, 6).permutation(len(questions))[:sc["oracle_episodes"]])
     warm["oracle"] = oracle_share(model, tok, retr, [sampled[k * sc["eval_group"]] for k in pick],
                                   sc["oracle_rollouts"], sc["eval_max_new"])
     times["oracle_s"] = time.time() - t
-    hops = {s: {h: sum(q["metadata"]["hops"] == h for q in rows) for h in (1, 2, 3, 4)} for s, rows in split.items()}
-    return {"preset": "chains", "seed": seed, "scale": world["scale"], "corpus_docs": len(chains_corpus_rows(world)),
-            "entities": {k: len(world[k]) for k in KINDS},
-            "confusable_workers": sum(bool(p.get("confusable")) for p in world["people"].values()),
-            "questions": {s: count_questions(rows) for s, rows in split.items()}, "questions_per_hop": hops,
-            "share_4hop": {s: hops[s][4] / len(rows) for s, rows in split.items()}, "demo_probs": CHAIN_PROBS,
-            "scripted_em": {s: {"perfect": scripted_em(chains_episode, world, rows, top, seed, True),
-                                "imperfect": scripted_em(chains_episode, world, rows, top, seed, False)}
-                            for s, rows in split.items()},
-            "demo_decisions": decision_freqs(log for _, _, log in demos), "warm_start": {"test": warm}}
+    hops = {
+        s: {h: sum(q["metadata"]["hops"] == h for q in rows) for h in (1, 2, 3, 4)}
+        for s, rows in split.items()
+    }
+    return {
+        "preset": "chains", "seed": seed, "scale": world["scale"], "corpus_docs": len(
+            chains_corpus_rows(world)),
+        "entities": {k: len(world[k]) for k in KINDS}, "confusable_workers": sum(
+            bool(p.get("confusable")) for p in world["people"].values()), "questions": {
+                s: count_questions(rows) for s, rows in split.items()
+            }, "questions_per_hop": hops, "share_4hop": {
+                s: hops[s][4] / len(rows) for s, rows in split.items()
+            }, "demo_probs": CHAIN_PROBS, "scripted_em": {
+                s: {
+                    "perfect": scripted_em(chains_episode, world, rows, top, seed, True),
+                    "imperfect": scripted_em(chains_episode, world, rows, top, seed, False)
+                } for s, rows in split.items()
+            }, "demo_decisions": decision_freqs(log for _, _, log in demos), "warm_start": {
+                "test": warm
+            }
+    }
 
 
 def stop_calibration(world_dir: str, split: str = "test", seed: int = 0) -> dict:
-    """How well a chains world's warm start learned the stop decisions: P(So) / (P(So) + P(Next)) at each decision
-    word of scripted perfect episodes (teacher-forced), by position (hops, kind), against the scripts' probability."""
+    """How well a chains world's warm start learned the stop decisions: P(So) / (P(So) + P(Next)) at
+    each decision word of scripted perfect episodes (teacher-forced), by position (hops, kind),
+    against the scripts' probability."""
     import torch
     import retriever
     from eval import load_policy
     with open(os.path.join(world_dir, "world.json")) as f:
         world = json.load(f)["world"]
     if world.get("preset") != "chains":
-        raise ValueError(f"{world_dir}/world.json: not a chains world (preset {world.get('preset')!r})")
+        raise ValueError(
+            f"{world_dir}/world.json: not a chains world (preset {world.get('preset')!r})")
     model, tok = load_policy(os.path.join(world_dir, "policy"))
     retr = retriever.Retriever(os.path.join(world_dir, "index"))
     top = dict(zip(entity_names(world), retr.search(entity_names(world), topk=TOPK)))
     so, nxt = tok.convert_tokens_to_ids("\u0120So"), tok.convert_tokens_to_ids("\u0120Next")
-    script = {"bridge": CHAIN_PROBS["bridge"]["answer_early"], "last_bridge": CHAIN_PROBS["last_bridge"]["stop_short"],
-              "answer": 1.0}
+    script = {
+        "bridge": CHAIN_PROBS["bridge"]["answer_early"],
+        "last_bridge": CHAIN_PROBS["last_bridge"]["stop_short"], "answer": 1.0
+    }
     rng, out = make_rng(seed, 7), {}
     for q in chains_question_rows(world, split):
         turns, _ = chains_episode(q, world, top, rng, perfect=True)
         ids, mask = encode_episode(tok, q["question"], turns, {})
         with torch.no_grad():
             p = torch.softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-        hops, at = q["metadata"]["hops"], [i for i in range(1, len(ids)) if mask[i] and ids[i] in (so, nxt)]
+        hops, at = q["metadata"]["hops"], [
+            i for i in range(1, len(ids)) if mask[i] and ids[i] in (so, nxt)
+        ]
         for k, i in enumerate(at[1:], 1):  # the first think block always searches
             kind = "answer" if k == hops else "last_bridge" if k == hops - 1 else "bridge"
-            out.setdefault(f"{hops}hop/{kind}@{k}", []).append(float(p[i - 1, so] / (p[i - 1, so] + p[i - 1, nxt])))
-    return {key: {"p_stop": round(float(np.mean(v)), 3), "script": script[key.split("/")[1].split("@")[0]],
-                  "n": len(v)} for key, v in sorted(out.items())}
+            out.setdefault(f"{hops}hop/{kind}@{k}", []).append(
+                float(p[i - 1, so] / (p[i - 1, so] + p[i - 1, nxt])))
+    return {
+        key: {
+            "p_stop": round(float(np.mean(v)), 3),
+            "script": script[key.split("/")[1].split("@")[0]], "n": len(v)
+        } for key, v in sorted(out.items())
+    }

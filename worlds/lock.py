@@ -1,20 +1,24 @@
-"""The built-in worlds' digests (DESIGN.md section 9): `worlds.lock` holds a content sha256 of every file of each
-committed world (preset x seed x scale), built on pinned numerics (infra/numerics.py), so that a build on any machine can be
-checked against the one the repository's figures were measured on.
+"""The built-in worlds' digests (DESIGN.md section 9): `worlds.lock` holds a content sha256 of every
+file of each committed world (preset x seed x scale), built on pinned numerics (infra/numerics.py),
+so that a build on any machine can be checked against the one the repository's figures were measured
+on.
 
-A digest is of the file's bytes, except for two files that also hold what is not the world: index/meta.json's
-absolute paths (of the corpus and of the encoder's installed folder) and world.json's build timings. Those fields are
-left out, and the rest of the JSON is digested in a canonical form (sorted keys, no spaces).
+A digest is of the file's bytes, except for two files that also hold what is not the world:
+index/meta.json's absolute paths (of the corpus and of the encoder's installed folder) and
+world.json's build timings. Those fields are left out, and the rest of the JSON is digested in a
+canonical form (sorted keys, no spaces).
 
-Lock lines: `<preset> <seed> <scale> <file> <sha256>`; `#` starts a comment. This module knows files and digests;
-what a world is and how it is built is worlds/build.py's.
+Lock lines: `<preset> <seed> <scale> <file> <sha256>`; `#` starts a comment. This module knows files
+and digests; what a world is and how it is built is worlds/build.py's.
 """
 import hashlib
 import json
 import os
 
 LOCK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worlds.lock")
-NON_CONTENT = {"index/meta.json": (("corpus",), ("encoder_resolved",)), "world.json": (("stats", "times"),)}
+NON_CONTENT = {
+    "index/meta.json": (("corpus", ), ("encoder_resolved", )), "world.json": (("stats", "times"), )
+}
 HEADER = """\
 # Content digests of the built-in worlds (DESIGN.md section 9), one line per file: preset seed scale file sha256.
 # Built on pinned numerics (infra/numerics.py) by `python -m worlds.build --out DIR --preset P --seed S --scale C`; `python -m worlds.build
@@ -23,7 +27,8 @@ HEADER = """\
 
 
 def content_bytes(folder: str, rel: str) -> bytes:
-    """The bytes of `rel` that are the world: the whole file, or the JSON less its NON_CONTENT fields."""
+    """The bytes of `rel` that are the world: the whole file, or the JSON less its NON_CONTENT
+    fields."""
     with open(os.path.join(folder, rel), "rb") as f:
         data = f.read()
     if rel not in NON_CONTENT:
@@ -48,15 +53,17 @@ def world_key(folder: str) -> tuple:
     """(preset, seed, scale) of a built world, from its world.json."""
     path = os.path.join(folder, "world.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: {folder} is not a built world (build it: `make world "
-                                f"WORLD={folder} PRESET=tiny|chains`; worlds/build.py writes world.json last)")
+        raise FileNotFoundError(
+            f"{path} not found: {folder} is not a built world (build it: `make world "
+            f"WORLD={folder} PRESET=tiny|chains`; worlds/build.py writes world.json last)")
     with open(path, encoding="utf-8") as f:
         stats = json.load(f)["stats"]
     return stats.get("preset", "tiny"), int(stats["seed"]), stats["scale"]
 
 
 def read_lock(path: str = LOCK) -> dict:
-    """{(preset, seed, scale): {file: sha256}}; ValueError naming the file and line of a bad line."""
+    """{(preset, seed, scale): {file: sha256}}; ValueError naming the file and line of a bad line.
+    """
     entries = {}
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -64,10 +71,13 @@ def read_lock(path: str = LOCK) -> dict:
             if not words:
                 continue
             if len(words) != 5 or not words[1].isdigit() or len(words[4]) != 64:
-                raise ValueError(f"{path}, line {n}: expected 'preset seed scale file sha256', got {line.strip()!r}")
+                raise ValueError(
+                    f"{path}, line {n}: expected 'preset seed scale file sha256', got {line.strip()!r}"
+                )
             files = entries.setdefault((words[0], int(words[1]), words[2]), {})
             if words[3] in files:
-                raise ValueError(f"{path}, line {n}: {words[3]} of {' '.join(words[:3])} is listed twice")
+                raise ValueError(
+                    f"{path}, line {n}: {words[3]} of {' '.join(words[:3])} is listed twice")
             files[words[3]] = words[4]
     return entries
 
@@ -87,8 +97,9 @@ def write_entry(folder: str, path: str = LOCK) -> tuple:
 
 
 def compare(folder: str, path: str = LOCK):
-    """(key, differing files) of the world in `folder` against its lock entry: files whose digest differs, is
-    missing from the world or is not in the entry; None in place of the list when the lock has no entry for it."""
+    """(key, differing files) of the world in `folder` against its lock entry: files whose digest
+    differs, is missing from the world or is not in the entry; None in place of the list when the
+    lock has no entry for it."""
     key = world_key(folder)
     locked = read_lock(path).get(key) if os.path.exists(path) else None
     if locked is None:
@@ -98,8 +109,8 @@ def compare(folder: str, path: str = LOCK):
 
 
 def verdict(folder: str, path: str = LOCK):
-    """(ok, message) for a built world: same as its lock entry, different (which files, and what that means), or not
-    in the lock."""
+    """(ok, message) for a built world: same as its lock entry, different (which files, and what
+    that means), or not in the lock."""
     key, differing = compare(folder, path)
     name = f"{folder} ({key[0]}, seed {key[1]}, {key[2]} scale)"
     if differing is None:
@@ -109,7 +120,9 @@ def verdict(folder: str, path: str = LOCK):
     with open(os.path.join(folder, "world.json"), encoding="utf-8") as f:
         numerics = json.load(f)["stats"].get("numerics", {})
     how = ("built on pinned numerics" if numerics.get("pinned") else
-           f"built on this machine's own numerics ({json.dumps(numerics)})" if numerics else "built before the pins")
-    return False, (f"{name}: {len(differing)} file(s) differ from {os.path.basename(path)}: {', '.join(differing)}.\n"
-                   f"This is a different world from the committed one ({how}): every figure measured on it (its "
-                   "warm-start statistics, training curves, audits) will differ from RESULTS.md.")
+           f"built on this machine's own numerics ({json.dumps(numerics)})"
+           if numerics else "built before the pins")
+    return False, (
+        f"{name}: {len(differing)} file(s) differ from {os.path.basename(path)}: {', '.join(differing)}.\n"
+        f"This is a different world from the committed one ({how}): every figure measured on it (its "
+        "warm-start statistics, training curves, audits) will differ from RESULTS.md.")
