@@ -1,19 +1,19 @@
-"""TWICE's credit (DESIGN.md section 5): twin outcome differences to token advantages. Pure array
-math.
+"""TWICE's credit (DESIGN.md section 5): twin outcome differences to token advantages. Pure
+array math.
 
 TWICE ("Same Luck, Different Choice", arXiv 2610.31544). Decision t of episode i, outcome U_i:
-  A_traj_i  = (U_i - mean_group U) / (std_group U + eps)           GRPO; std unbiased (ddof=1) like verl's torch.std
-  D_t       = U - U'                                             twin outcome difference; E[D_t | s_t, y_t] = Q - V
-  q_t       = clip(lam * sqrt(p_t / c_t), q_min, 1)              budget rule, lam such that sum_t q_t c_t = budget
-  A_hat_t   = 1[u_t < q_t] * mean_j D_t^j / q_t                  Horvitz-Thompson, unbiased for Q - V
-  A_i,tok   = A_traj_i + omega * A_hat_t / sigma_hat             on the sampled tokens of turn t, 0 elsewhere
-p_t = P(U != U') comes from `DiscordancePredictor` (online logistic regression on 1[D != 0], scored by AUC and Brier
-score on each batch before it learns from it), c_t is the predicted twin cost in tokens, sigma_hat
-is `RunningScale`: twin_scale "d" (default): sqrt of an EMA of the Horvitz-Thompson mean of D^2 per
-decision, whose expectation does not depend on the branch probabilities q, so omega means the same
-at every budget; "rms" (the first form): an EMA of the RMS of the nonzero A_hat, which grows like
-1/q and makes the expected twin term shrink with the budget. Token forks' fork law and credit are
-forks.py's.
+  A_traj_i = (U_i - mean_g U) / (std_g U + eps)      GRPO; std unbiased (ddof=1) as verl's torch.std
+  D_t      = U - U'                                  twin difference; E[D_t | s_t, y_t] = Q - V
+  q_t      = clip(lam * sqrt(p_t / c_t), q_min, 1)   budget rule; lam: sum_t q_t c_t = budget
+  A_hat_t  = 1[u_t < q_t] * mean_j D_t^j / q_t       Horvitz-Thompson, unbiased for Q - V
+  A_i,tok  = A_traj_i + omega * A_hat_t / sigma_hat  on the sampled tokens of turn t, 0 elsewhere
+p_t = P(U != U') comes from `DiscordancePredictor` (online logistic regression on 1[D != 0],
+scored by AUC and Brier score on each batch before it learns from it), c_t is the predicted twin
+cost in tokens, sigma_hat is `RunningScale`: twin_scale "d" (default): sqrt of an EMA of the
+Horvitz-Thompson mean of D^2 per decision, whose expectation does not depend on the branch
+probabilities q, so omega means the same at every budget; "rms" (the first form): an EMA of the
+RMS of the nonzero A_hat, which grows like 1/q and makes the expected twin term shrink with the
+budget. Token forks' fork law and credit are forks.py's.
 
 This file knows no episodes, models or ranks: the twins come from rollout.run_twins, the loop that
 joins them is twice.twin_credit. The baselines' formulas live with their trainers
@@ -27,16 +27,16 @@ Python's hash() order.
 Deviations (DESIGN.md section 13; tagged `# DEVIATION C<n>:` below):
 C1. Groups of size 1 get advantage 0 (verl uses mean 0, std 1 there, i.e. the raw score).
 C2. solve_budget: decisions with p_t = 0 stay at q_min until every p_t > 0 decision is at q = 1;
-   only then does the rest of the budget go to them, evenly. DESIGN.md does not say; this keeps sum
-   q c = budget on the whole range.
+    only then does the rest of the budget go to them, evenly. DESIGN.md does not say; this keeps
+    sum q c = budget on the whole range.
 (C3-C5 are the baselines' formulas: methods/baselines.py.)
 C6. sigma_hat (twin_scale = d): sqrt of an EMA of the Horvitz-Thompson mean of D^2 per decision,
-   taken from the batches before the one it scales; a batch without data leaves it. The paper says
-   "a running scale"; its first form here (twin_scale = rms) made the expected twin term
-   proportional to q.
+    taken from the batches before the one it scales; a batch without data leaves it. The paper
+    says "a running scale"; its first form here (twin_scale = rms) made the expected twin term
+    proportional to q.
 
-No entry point: train_twice.py and lab/audit.py import these functions. Tests: `python -m pytest -q
-tests/test_credit.py`.
+No entry point: train_twice.py and lab/audit.py import these functions.
+Tests: `python -m pytest -q tests/test_credit.py`.
 """
 import math
 from typing import NamedTuple
@@ -69,12 +69,12 @@ def _sigmoid(z):
     return 0.5 * (1.0 + np.tanh(0.5 * z))  # no overflow warning for large |z|
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # TWICE (DESIGN 5)
 
 def grpo_advantages(rewards, group_ids, eps=1e-6, normalize_std=True) -> np.ndarray:
-    """GRPO group-normalised advantage (x - mean_g) / (std_g + eps) for each entry, grouped by equal
-    `group_ids`.
+    """GRPO group-normalised advantage (x - mean_g) / (std_g + eps) for each entry, grouped by
+    equal `group_ids`.
 
     std_g is the unbiased (ddof=1) sample std, as verl / Search-R1 (`torch.std`).
     normalize_std=False gives x - mean_g. A constant group (all rewards equal) gets exactly 0; a
@@ -100,22 +100,21 @@ def grpo_advantages(rewards, group_ids, eps=1e-6, normalize_std=True) -> np.ndar
 
 class Budget(NamedTuple):
     q: np.ndarray  # (n,) branch probabilities, each in [q_min, 1]
-    # the multiplier lambda; inf once every p > 0 decision is at q = 1, 0 at the q_min floor
-    lam: float
+    lam: float     # the multiplier: inf once every p > 0 decision is at q = 1, 0 at the q_min floor
     spent: float   # sum_t q_t c_t: expected twin tokens
-    # True when budget < q_min * sum(c): the q_min floor forces spending past the budget
-    over: bool
+    over: bool     # budget < q_min * sum(c): the q_min floor forces spending past the budget
 
 
 def solve_budget(p, c, budget, q_min=0.05, rule="sqrt") -> Budget:
-    """Branch probabilities q_t = clip(lam * sqrt(p_t / c_t), q_min, 1) with sum_t q_t c_t = budget
-    (DESIGN 5).
+    """Branch probabilities q_t = clip(lam * sqrt(p_t / c_t), q_min, 1) with
+    sum_t q_t c_t = budget (DESIGN 5).
 
     rule="uniform": q_t = clip(lam, q_min, 1), the same total. Returns Budget(q, lam, spent, over).
-    Edges: budget >= sum c -> all ones; budget <= q_min sum c -> all q_min (`over` says whether that
-    exceeds the budget); p_t = 0 -> q_min (see deviation 2); empty input -> empty q. c_t <= 0 or p_t
-    outside [0, 1] raise. lam is found by geometric bisection on the continuous, non-decreasing
-    spend f(lam) = sum_t c_t q_t(lam), to float precision (relative error of the spend ~1e-15).
+    Edges: budget >= sum c -> all ones; budget <= q_min sum c -> all q_min (`over` says whether
+    that exceeds the budget); p_t = 0 -> q_min (see deviation 2); empty input -> empty q.
+    c_t <= 0 or p_t outside [0, 1] raise. lam is found by geometric bisection on the continuous,
+    non-decreasing spend f(lam) = sum_t c_t q_t(lam), to float precision (relative error of the
+    spend ~1e-15).
     """
     p, c = as_array(p).reshape(-1), as_array(c).reshape(-1)
     if p.shape != c.shape:
@@ -125,9 +124,8 @@ def solve_budget(p, c, budget, q_min=0.05, rule="sqrt") -> Budget:
     if not np.all((p >= 0) & (p <= 1)):
         raise ValueError("discordance p_t must lie in [0, 1]")
     if not (0 < q_min <= 1) or not budget >= 0 or rule not in ("sqrt", "uniform"):
-        raise ValueError(
-            f"need 0 < q_min <= 1, budget >= 0, rule in (sqrt, uniform); got {q_min}, {budget}, {rule}"
-        )
+        raise ValueError(f"need 0 < q_min <= 1, budget >= 0, rule in (sqrt, uniform); "
+                         f"got {q_min}, {budget}, {rule}")
     total = float(c.sum())
     w = np.sqrt(p / c) if rule == "sqrt" else np.ones_like(p)
     pos = w > 0
@@ -151,8 +149,8 @@ def solve_budget(p, c, budget, q_min=0.05, rule="sqrt") -> Budget:
 
 
 def branch_mask(q, u) -> np.ndarray:
-    """Decision t gets a twin iff u_t < q_t; u_t are keyed uniforms in [0, 1) drawn by the caller
-    (reproducible)."""
+    """Decision t gets a twin iff u_t < q_t; u_t are keyed uniforms in [0, 1) drawn by the
+    caller (reproducible)."""
     q, u = as_array(q), as_array(u)
     if q.shape != u.shape:
         raise ValueError(f"q {q.shape} and u {u.shape} differ in shape")
@@ -164,14 +162,14 @@ def ht_credit(diffs, branched, q) -> np.ndarray:
     Unbiased: E[A_hat_t] = q_t * mean D / q_t, Var = mean(D)^2 (1/q_t - 1) for fixed twins.
 
     diffs: a 2D array (n, K) (rows of unbranched decisions are ignored, may be NaN) or a list of
-    per-decision lists of K_t twin differences (empty for unbranched decisions). A branched decision
-    needs at least one twin.
+    per-decision lists of K_t twin differences (empty for unbranched decisions). A branched
+    decision needs at least one twin.
     """
     branched = np.asarray(branched, dtype=bool).reshape(-1)
     q = as_array(q).reshape(-1)
     if len(q) != len(branched) or len(diffs) != len(q):
-        raise ValueError(
-            f"lengths differ: diffs {len(diffs)}, branched {len(branched)}, q {len(q)}")
+        raise ValueError(f"lengths differ: diffs {len(diffs)}, branched {len(branched)}, "
+                         f"q {len(q)}")
     if not np.all((q[branched] > 0) & (q[branched] <= 1)):
         raise ValueError("q_t must lie in (0, 1] for branched decisions")
     a = np.zeros(len(q))
@@ -193,26 +191,24 @@ def turn_advantages(a_traj, a_hat, omega, sigma) -> list:
     advantage)."""
     if not sigma > 0:
         raise ValueError(f"sigma must be > 0, got {sigma}")
-    return [
-        a + omega * as_array(h).reshape(-1) / sigma
-        for a, h in zip(as_array(a_traj).reshape(-1), a_hat)
-    ]
+    return [a + omega * as_array(h).reshape(-1) / sigma
+            for a, h in zip(as_array(a_traj).reshape(-1), a_hat)]
 
 
 def token_advantages(a_traj, a_hat, turn_spans, seq_len, omega, sigma) -> np.ndarray:
-    """(N, seq_len) token advantages: turn_advantages on the sampled tokens of each turn, 0 on every
-    other token. a_hat[i] = A_hat per turn (0 for an unbranched turn, which then carries exactly
-    A_traj_i)."""
+    """(N, seq_len) token advantages: turn_advantages on the sampled tokens of each turn, 0 on
+    every other token. a_hat[i] = A_hat per turn (0 for an unbranched turn, which then carries
+    exactly A_traj_i)."""
     a_traj = as_array(a_traj).reshape(-1)
     if not len(a_traj) == len(a_hat) == len(turn_spans):
-        raise ValueError(
-            f"episodes: a_traj {len(a_traj)}, a_hat {len(a_hat)}, spans {len(turn_spans)}")
+        raise ValueError(f"episodes: a_traj {len(a_traj)}, a_hat {len(a_hat)}, "
+                         f"spans {len(turn_spans)}")
     return spread_over_tokens(turn_advantages(a_traj, a_hat, omega, sigma), turn_spans, seq_len)
 
 
 def spread_over_tokens(turn_adv, turn_spans, seq_len) -> np.ndarray:
-    """(N, seq_len): turn_adv[i][t] on the tokens turn_spans[i][t] = (start, end) of episode i (end
-    exclusive, increasing, non-overlapping, in the episode's token coordinates); prompt and
+    """(N, seq_len): turn_adv[i][t] on the tokens turn_spans[i][t] = (start, end) of episode i
+    (end exclusive, increasing, non-overlapping, in the episode's token coordinates); prompt and
     observation tokens stay 0."""
     if len(turn_adv) != len(turn_spans):
         raise ValueError(f"episodes: {len(turn_adv)} advantage rows, {len(turn_spans)} span rows")
@@ -223,9 +219,8 @@ def spread_over_tokens(turn_adv, turn_spans, seq_len) -> np.ndarray:
         prev = 0
         for t, (start, end) in enumerate(spans):
             if not prev <= start <= end <= seq_len:
-                raise ValueError(
-                    f"episode {i} turn {t}: span ({start}, {end}) overlaps or leaves [0, {seq_len})"
-                )
+                raise ValueError(f"episode {i} turn {t}: span ({start}, {end}) overlaps or "
+                                 f"leaves [0, {seq_len})")
             out[i, start:end] = adv[t]
             prev = end
     return out
@@ -236,32 +231,28 @@ def featurize(turn, action, entropy, group_success, outcome, turns_remaining) ->
     (broadcast), so a dict of columns works as `featurize(**cols)`.
 
     turn             0-based index t of the turn
-    is_search        1 if `action == "search"`       } from `action`, the turn's parsed action; an invalid turn
-    is_answer        1 if `action == "answer"`       } (neither tag, action None) has both 0
+    is_search        1 if `action == "search"`  } from `action`, the turn's parsed action; an
+    is_answer        1 if `action == "answer"`  } invalid turn (neither tag, action None) has both 0
     entropy          mean per-token entropy of y_t under the sampling policy (nats)
-    group_success    success rate of the prompt's G lines (mean U over the group, this line included)
+    group_success    success rate of the prompt's G lines (mean U over the group, this line
+                     included)
     outcome          the factual outcome U in {0, 1}
     turns_remaining  turns the factual episode played after t (T_i - 1 - t); 0 on the last turn
-    surprise         |outcome - group_success|: a linear model cannot form this outcome x group interaction itself,
-                     and it carries the main signal (a success in a failing group is where a twin
-                     most often differs)
+    surprise         |outcome - group_success|: a linear model cannot form this outcome x group
+                     interaction itself, and it carries the main signal (a success in a failing
+                     group is where a twin most often differs)
     """
     action = np.asarray(action, dtype=object)  # strings or None; a single string is one decision
-    cols = [
-        as_array(turn), action == "search", action == "answer",
-        as_array(entropy),
-        as_array(group_success),
-        as_array(outcome),
-        as_array(turns_remaining),
-        np.abs(as_array(outcome) - as_array(group_success))
-    ]
+    cols = [as_array(turn), action == "search", action == "answer", as_array(entropy),
+            as_array(group_success), as_array(outcome), as_array(turns_remaining),
+            np.abs(as_array(outcome) - as_array(group_success))]
     cols = np.broadcast_arrays(*[np.atleast_1d(np.asarray(col, dtype=np.float64)) for col in cols])
     return np.stack(cols, axis=-1).reshape(-1, len(FEATURES))
 
 
 def auc(p, y) -> float:
-    """Area under the ROC curve of scores p for 0/1 labels y (Mann-Whitney U / (n1 n0), ties counted
-    half); nan when a class is missing."""
+    """Area under the ROC curve of scores p for 0/1 labels y (Mann-Whitney U / (n1 n0), ties
+    counted half); nan when a class is missing."""
     p, y = as_array(p).reshape(-1), as_array(y).reshape(-1)
     n1 = float(y.sum())
     n0 = len(y) - n1
@@ -281,15 +272,16 @@ def brier(p, y) -> float:
 
 
 class DiscordancePredictor:
-    """p_t = P(U != U') from per-decision features: online L2 logistic regression (DESIGN 5, discordance predictor).
+    """p_t = P(U != U') from per-decision features: online L2 logistic regression (DESIGN 5,
+    discordance predictor).
 
     Fitted on a replay buffer of the most recent `buffer_size` labelled decisions (label 1[D != 0]
     of branched decisions), features standardised on the buffer, by damped Newton (IRLS) from zero:
     deterministic. Until the buffer holds `min_fit` labels of both classes, predict() returns the
-    prior: the mean of every label seen so far, 0.5 before any. Predictions are clipped to [p_min, 1
-    - p_min] so q_t never collapses. `features` names the columns (credit.FEATURES for decisions,
-    forks.TOKEN_FEATURES for fork tokens). Each update scores the batch before learning from it:
-    `auc` and `brier` (accuracy said nothing: it equals the majority class's rate).
+    prior: the mean of every label seen so far, 0.5 before any. Predictions are clipped to
+    [p_min, 1 - p_min] so q_t never collapses. `features` names the columns (credit.FEATURES for
+    decisions, forks.TOKEN_FEATURES for fork tokens). Each update scores the batch before learning
+    from it: `auc` and `brier` (accuracy said nothing: it equals the majority class's rate).
     """
     FEATURES = FEATURES
     featurize = staticmethod(featurize)
@@ -316,8 +308,8 @@ class DiscordancePredictor:
     def _check(self, X):
         X, d = as_array(X), len(self.features)
         if X.ndim != 2 or X.shape[1] != d or not np.all(np.isfinite(X)):
-            raise ValueError(
-                f"X must be finite with shape (n, {d}), columns {self.features}; got {X.shape}")
+            raise ValueError(f"X must be finite with shape (n, {d}), columns {self.features}; "
+                             f"got {X.shape}")
         return X
 
     def _design(self, X):
@@ -334,8 +326,8 @@ class DiscordancePredictor:
         only)."""
         X, y = self._check(X), as_array(y).reshape(-1)
         if len(y) != len(X) or not np.all((y == 0) | (y == 1)):
-            raise ValueError(
-                f"need one 0/1 label per row: {len(X)} rows, labels {np.unique(y)[:5]}")
+            raise ValueError(f"need one 0/1 label per row: {len(X)} rows, "
+                             f"labels {np.unique(y)[:5]}")
         if len(y) == 0:
             self.auc = self.brier = math.nan
             return self.auc, self.brier
@@ -384,21 +376,18 @@ class DiscordancePredictor:
     def state_dict(self) -> dict:
         """JSON-serialisable state (Python floats round-trip exactly): reload gives bit-identical
         predictions."""
-        s = {
-            k: getattr(self, k)
-            for k in ("min_fit", "buffer_size", "l2", "p_min", "newton_iters", "n_seen", "n_pos")
-        }
+        s = {k: getattr(self, k)
+             for k in ("min_fit", "buffer_size", "l2", "p_min", "newton_iters", "n_seen", "n_pos")}
         s.update(X=self.X.tolist(), y=self.y.tolist(), mu=self.mu.tolist(), sd=self.sd.tolist(),
-                 w=None if self.w is None else self.w.tolist(), features=list(
-                     self.features), auc=None if math.isnan(self.auc) else self.auc,
+                 w=None if self.w is None else self.w.tolist(), features=list(self.features),
+                 auc=None if math.isnan(self.auc) else self.auc,
                  brier=None if math.isnan(self.brier) else self.brier)
         return s
 
     def load_state_dict(self, s: dict):
         if tuple(s.get("features", FEATURES)) != self.features:
-            raise ValueError(
-                f"predictor state has features {s.get('features', FEATURES)}, this one {self.features}"
-            )
+            raise ValueError(f"predictor state has features {s.get('features', FEATURES)}, "
+                             f"this one {self.features}")
         for k in ("min_fit", "buffer_size", "newton_iters", "n_seen", "n_pos"):
             setattr(self, k, int(s[k]))
         self.l2, self.p_min = float(s["l2"]), float(s["p_min"])
@@ -411,11 +400,10 @@ class DiscordancePredictor:
 
 def ht_mean_square(diffs, branched, q) -> float:
     """(1 / n) sum_t 1[branched_t] mean_j (D_t^j)^2 / q_t over n decisions: the Horvitz-Thompson
-    estimate of the mean of D^2 per decision, whose expectation over the branch draws, (1 / n) sum_t
-    E[D_t^2], does not involve q. diffs as ht_credit's."""
-    mean_sq = ht_credit([np.square(as_array(d))
-                         for d in diffs] if not isinstance(diffs, np.ndarray) else np.square(diffs),
-                        branched, q)
+    estimate of the mean of D^2 per decision, whose expectation over the branch draws,
+    (1 / n) sum_t E[D_t^2], does not involve q. diffs as ht_credit's."""
+    mean_sq = ht_credit([np.square(as_array(d)) for d in diffs]
+                        if not isinstance(diffs, np.ndarray) else np.square(diffs), branched, q)
     return float(mean_sq.mean()) if len(mean_sq) else 0.0
 
 
@@ -423,19 +411,18 @@ class RunningScale:
     """sigma_hat (DESIGN 5), value 1.0 before any data.
 
     mode "d" (twin_scale = d): sqrt of an EMA of ht_mean_square of each batch, a scale of D itself
-    whose expectation does not depend on q; the trainer scales a batch by the value from the batches
-    before it (update after use), so over that batch's branch draws E[A_hat / sigma] = (Q - V) /
-    sigma exactly, at every budget. mode "rms" (the first form): EMA of the RMS of the nonzero A_hat
-    = D / q of each batch, updated before use; it grows like 1/q, so the expected twin term shrinks
-    with the budget. Either way the first batch with data sets the value and a batch without any (no
-    twin, or every D = 0) leaves it.
+    whose expectation does not depend on q; the trainer scales a batch by the value from the
+    batches before it (update after use), so over that batch's branch draws
+    E[A_hat / sigma] = (Q - V) / sigma exactly, at every budget. mode "rms" (the first form): EMA
+    of the RMS of the nonzero A_hat = D / q of each batch, updated before use; it grows like 1/q,
+    so the expected twin term shrinks with the budget. Either way the first batch with data sets
+    the value and a batch without any (no twin, or every D = 0) leaves it.
     """
 
     def __init__(self, decay=0.9, mode="rms"):
         if mode not in ("rms", "d"):
             raise ValueError(f"RunningScale mode must be 'rms' or 'd', got {mode!r}")
-        # _value: EMA of the RMS ("rms") or of D^2 ("d")
-        self.decay, self.mode, self._value = decay, mode, None
+        self.decay, self.mode, self._value = decay, mode, None  # _value: EMA of the RMS or of D^2
 
     @property
     def value(self) -> float:

@@ -18,9 +18,10 @@ It knows no model, no noise keys and no retriever: it turns a question into a pr
 into an action and a response into a score; rollout.py runs the episodes.
 
 Deviations (DESIGN.md section 13; tagged `# DEVIATION R<n>:` where they act):
-  R1. An empty or whitespace-only search query is an invalid action (Search-R1 sends "" to the
-  retriever). R2-R5 act on episodes and are rollout.py's; two of them are settings here
-  (max_query_chars: R2, max_context: R3).
+  R1. An empty or whitespace-only search query is an invalid action (Search-R1 sends "" to
+      the retriever).
+  R2-R5 act on episodes and are rollout.py's; two of them are settings here (max_query_chars: R2,
+  max_context: R3).
 """
 import re
 import string
@@ -28,16 +29,17 @@ from dataclasses import dataclass, fields
 
 # --- protocol constants (Search-R1 compatibility: byte for byte, typo "as your want" included) ---
 INSTRUCTION = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
-    "new information. After reasoning, if you find you lack some knowledge, you can call a search engine by "
-    "<search> query </search> and it will return the top searched results between <information> and "
-    "</information>. You can search as many times as your want. If you find no further external knowledge "
-    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed illustrations. "
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every "
+    "time you get new information. After reasoning, if you find you lack some knowledge, you can "
+    "call a search engine by <search> query </search> and it will return the top searched results "
+    "between <information> and </information>. You can search as many times as your want. If you "
+    "find no further external knowledge needed, you can directly provide the answer inside "
+    "<answer> and </answer>, without detailed illustrations. "
     "For example, <answer> Beijing </answer>. ")
 INVALID_ACTION_MSG = (
-    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
-    "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
-    "Let me try again.\n")
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> "
+    "and </search>. If I want to give the final answer, I should put the answer between <answer> "
+    "and </answer>. Let me try again.\n")
 STOP_STRINGS = ("</search>", "</answer>")
 # Search-R1 postprocess_predictions
 ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
@@ -45,7 +47,7 @@ ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def user_message(question: str) -> str:
-    """The single user message of an episode: instruction + `Question: {q}?\\n` (Search-R1
+    """The single user message of an episode: instruction + `Question: {q}?\\n` (Search-R1's
     nq_search.py)."""
     question = question.strip()
     if not question:
@@ -56,8 +58,8 @@ def user_message(question: str) -> str:
 
 
 def render_prompt(tokenizer, question: str) -> str:
-    """Prompt text: the chat template with the generation prompt when the tokenizer has one, else
-    the raw message."""
+    """Prompt text: the chat template with the generation prompt when the tokenizer has one,
+    else the raw message."""
     message = user_message(question)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": message}],
@@ -66,8 +68,8 @@ def render_prompt(tokenizer, question: str) -> str:
 
 
 def parse_action(text: str):
-    """First `<search>...</search>` or `<answer>...</answer>` of a turn -> (action, stripped
-    content).
+    """First `<search>...</search>` or `<answer>...</answer>` of a turn ->
+    (action, stripped content).
 
     Returns (None, "") when the turn holds neither. An empty (or whitespace-only) search query is
     not a valid action here (# DEVIATION R1: Search-R1 would send the empty string to the
@@ -98,15 +100,15 @@ def normalize_answer(s: str) -> str:
 
 
 def extract_answer(response: str):
-    """Content of the last `<answer>...</answer>` in the response, stripped; None when there is
-    none."""
+    """Content of the last `<answer>...</answer>` in the response, stripped; None when there
+    is none."""
     matches = ANSWER_RE.findall(response)
     return matches[-1].strip() if matches else None
 
 
 def exact_match(prediction, golden_answers) -> float:
-    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0 (None scores 0).
-    """
+    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0 (None
+    scores 0)."""
     if prediction is None:
         return 0.0
     if isinstance(golden_answers, str):
@@ -124,39 +126,39 @@ def reward(response: str, golden_answers) -> float:
 @dataclass
 class Protocol:
     """Episode settings (DESIGN.md section 3; Search-R1 defaults)."""
-    max_turns: int = 4            # turns that execute their action (so at most this many searches);
-    #                               one final turn
+    max_turns: int = 4            # turns that execute their action (so at most this many
+    #                               searches); then one final turn
     topk: int = 3                 # documents per search
     max_new_tokens: int = 500     # sampled tokens per turn
-    max_obs_tokens: int = 500     # observation (information block / invalid-action message) tokens,
-    #                               cut after this
-    max_context: int = 4096       # prompt + response tokens; an episode that reaches it ends
-    #                               (DEVIATION R3)
+    max_obs_tokens: int = 500     # observation tokens (information block / invalid-action
+    #                               message), cut after this
+    max_context: int = 4096       # prompt + response tokens; an episode that reaches it
+    #                               ends (DEVIATION R3)
     temperature: float = 1.0      # T; 0 = greedy (evaluation)
     top_p: float = 1.0            # nucleus mass kept before the noise; 1 = off
     top_k: int = 0                # most likely tokens kept before the noise; 0 = off
-    gen_batch_size: int = 64      # rows per generate call (episodes sorted by context length, then
-    #                               chunked)
-    max_query_chars: int = 1024   # a search query is cut to this many characters before retrieval
-    #                               (DEVIATION R2)
-    fused_sampler: bool = True    # torch.compile the keyed draw into one kernel, on CUDA (the CPU
-    #                               stays eager)
-    engine: str = "cached"        # "cached": KV reuse + continuous batching; "generate":
-    #                               model.generate per turn
-    sync_every: int = 16          # cached engine: decode steps between read-backs of the sampled
-    #                               tokens (host syncs)
-    cuda_graphs: bool = False     # cached engine on CUDA: replay the decode step as CUDA graphs
-    #                               (one per shape)
+    gen_batch_size: int = 64      # rows per generate call (episodes sorted by context
+    #                               length, then chunked)
+    max_query_chars: int = 1024   # a search query is cut to this many characters before
+    #                               retrieval (DEVIATION R2)
+    fused_sampler: bool = True    # torch.compile the keyed draw into one kernel, on CUDA
+    #                               (the CPU stays eager)
+    engine: str = "cached"        # "cached": KV reuse + continuous batching;
+    #                               "generate": model.generate per turn
+    sync_every: int = 16          # cached engine: decode steps between read-backs of the
+    #                               sampled tokens (host syncs)
+    cuda_graphs: bool = False     # cached engine on CUDA: replay the decode step as CUDA
+    #                               graphs (one per shape)
     line_keys: str = "group"      # reading of "line" in the key tuple: "group" (the sample's line
     #                               in its group: keys (turn, position)) or "text" (the text line in
     #                               the turn: keys restart after every newline), DESIGN.md section 5
 
 
 def protocol_from(cfg, greedy: bool = False) -> Protocol:
-    """The Protocol of any script's config: every Protocol field the config has (train_twice, audit,
-    eval share the names); greedy sets T = 0 (evaluation)."""
-    proto = Protocol(
-        **{f.name: getattr(cfg, f.name) for f in fields(Protocol) if hasattr(cfg, f.name)})
+    """The Protocol of any script's config: every Protocol field the config has (train_twice,
+    audit, eval share the names); greedy sets T = 0 (evaluation)."""
+    proto = Protocol(**{f.name: getattr(cfg, f.name) for f in fields(Protocol)
+                        if hasattr(cfg, f.name)})
     if greedy:
         proto.temperature = 0.0
     return proto

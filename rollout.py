@@ -22,11 +22,11 @@ It never touches an optimiser, computes no advantage (credit.py's) and samples n
 (generation/engine.py's). Driven by train_twice.py, methods/__init__.py, lab/audit.py and eval.py.
 
 Deviations (DESIGN.md section 13; each tagged `# DEVIATION R<n>:` below; R1 is protocol.py's):
-  R2. Queries longer than `max_query_chars` are truncated before retrieval (Search-R1 sends them
-      whole).
+  R2. Queries longer than `max_query_chars` are truncated before retrieval (Search-R1 sends
+      them whole).
   R3. An episode whose context reaches `max_context` tokens ends there, scored on its response so
-     far; observations are cut to fit (Search-R1 left-truncates the rolling context instead, which
-     would change what later tokens condition on between a factual episode and its twin).
+      far; observations are cut to fit (Search-R1 left-truncates the rolling context instead,
+      which would change what later tokens condition on between a factual episode and its twin).
   R4. An EOS token stays in the response as sampled (loss mask 1); Search-R1's decode/re-encode
       drops it.
   R5. The reward and the recorded answer come from the agent's own sampled text, never observations.
@@ -38,16 +38,18 @@ import torch
 
 import credit
 from generation.engine import generate_turn
-from protocol import INVALID_ACTION_MSG, extract_answer, information_block, parse_action, render_prompt, reward
+from protocol import (INVALID_ACTION_MSG, extract_answer, information_block, parse_action,
+                      render_prompt, reward)
 from generation.rows import TurnStart
-from sampler import INDEPENDENT_TAG, UNCOUPLED_TAG, alt_key, episode_key, fresh_key, mix, stable_id, turn_key
+from sampler import (INDEPENDENT_TAG, UNCOUPLED_TAG, alt_key, episode_key, fresh_key, mix,
+                     stable_id, turn_key)
 
 
 # --- records ---
 @dataclass
 class Turn:
-    """One generation turn: ids[start:end] sampled (mask 1), ids[obs_start:obs_end] its observation
-    (mask 0)."""
+    """One generation turn: ids[start:end] sampled (mask 1), ids[obs_start:obs_end] its
+    observation (mask 0)."""
     start: int
     end: int
     obs_start: int
@@ -55,8 +57,7 @@ class Turn:
     text: str               # decoded sampled text
     action: str | None      # "search" | "answer" | None (invalid)
     content: str            # stripped query / answer
-    # retrieved document ids, in rank order (empty unless a search was executed)
-    doc_ids: tuple
+    doc_ids: tuple          # retrieved document ids in rank order (empty unless a search ran)
     logprobs: list          # per sampled token, under the sampling distribution
     entropy: list           # per sampled token, of softmax(masked logits / T)
     key: int                # the turn key its noise was drawn with
@@ -65,16 +66,15 @@ class Turn:
 
 @dataclass
 class Episode:
-    """One episode (or a branch of one). Its noise keys are fully described by key, key_overrides
-    and fresh_*."""
+    """One episode (or a branch of one). Its noise keys are fully described by key,
+    key_overrides and fresh_*."""
     uid: int                # stable_id(question id)
     line: int               # index inside the GRPO group
     key: int                # episode_key(run_seed, step, uid, line)
     question: str
     golden_answers: list
     prompt_ids: list
-    ids: list = field(default_factory=list)    # response: sampled + observation tokens, after the
-    #                                            prompt
+    ids: list = field(default_factory=list)    # response after the prompt: sampled + observation
     mask: list = field(default_factory=list)   # 1 sampled / 0 observation
     turns: list = field(default_factory=list)
     answer: str | None = None
@@ -85,12 +85,11 @@ class Episode:
     fresh_seed: int | None = None  # uncoupled: turns >= fresh_from use turn_key(fresh_seed, turn)
     fresh_from: int = 0
     branch_turn: int | None = None  # the turn this record branched at (None: factual)
-    fork: TurnStart | None = None  # how turn fork.turn starts: given first tokens, a fork token's
-    #                                key and ban
+    fork: TurnStart | None = None  # how turn fork.turn starts: given tokens, fork key and ban
 
     def start_for(self, turn: int):
-        """The TurnStart (generation/rows.py) of `turn`, or None (the turn starts at position 0 on
-        its turn key)."""
+        """The TurnStart (generation/rows.py) of `turn`, or None (the turn starts at position 0
+        on its turn key)."""
         return self.fork if self.fork is not None and self.fork.turn == turn else None
 
     def key_for(self, turn: int) -> int:
@@ -121,7 +120,8 @@ def prompt_lengths(tokenizer, questions, chunk: int = 1024) -> list:
 
 
 def start_episodes(tokenizer, questions, run_seed: int, step: int, group_size: int = 1) -> list:
-    """G = group_size lines per question (dicts with id, question, golden_answers), keyed by (seed, step, uid, line)."""
+    """G = group_size lines per question (dicts with id, question, golden_answers), keyed by
+    (seed, step, uid, line)."""
     chat = bool(getattr(tokenizer, "chat_template", None))
     episodes = []
     for i, q in enumerate(questions):
@@ -135,8 +135,8 @@ def start_episodes(tokenizer, questions, run_seed: int, step: int, group_size: i
         prompt = _encode(tokenizer, render_prompt(tokenizer, q["question"]), chat)
         for line in range(group_size):
             episodes.append(
-                Episode(uid=uid, line=line, key=episode_key(run_seed, step, uid,
-                                                            line), question=q["question"],
+                Episode(uid=uid, line=line, key=episode_key(run_seed, step, uid, line),
+                        question=q["question"],
                         golden_answers=[gold] if isinstance(gold, str) else list(gold),
                         prompt_ids=list(prompt)))
     return episodes
@@ -144,10 +144,10 @@ def start_episodes(tokenizer, questions, run_seed: int, step: int, group_size: i
 
 def step_prompts(rows: list, prompts_per_step: int, seed: int, step: int, rank: int = 0,
                  world: int = 1) -> list:
-    """This rank's share of the step's prompts: epoch-wise permutations seeded by mix(seed, epoch),
-    so any step's batch is known without replaying the run (exact resume). A row drawn twice in one
-    step (epoch wrap on small data) carries its occurrence number, so its two groups get different
-    keys."""
+    """This rank's share of the step's prompts: epoch-wise permutations seeded by
+    mix(seed, epoch), so any step's batch is known without replaying the run (exact resume). A row
+    drawn twice in one step (epoch wrap on small data) carries its occurrence number, so its two
+    groups get different keys."""
     n, k0 = len(rows), step * prompts_per_step
     perms, batch, seen = {}, [], {}
     for k in range(k0, k0 + prompts_per_step):
@@ -183,7 +183,7 @@ def _add_turn(ep, gen, tokenizer) -> Turn:
 
 
 def _add_observation(ep, turn, tokenizer, text: str, proto):
-    """Observation tokens (mask 0), tokenised alone and cut to max_obs_tokens (Search-R1
+    """Observation tokens (mask 0), tokenised alone and cut to max_obs_tokens (Search-R1's
     max_obs_length)."""
     room = proto.max_context - len(ep.prompt_ids) - len(ep.ids)
     ids = tokenizer(text,
@@ -194,8 +194,8 @@ def _add_observation(ep, turn, tokenizer, text: str, proto):
 
 
 def agent_text(ep) -> str:
-    """What the agent itself wrote: its sampled turns, without any observation or invalid-action
-    message."""
+    """What the agent itself wrote: its sampled turns, without any observation or
+    invalid-action message."""
     return "".join(turn.text for turn in ep.turns)
 
 
@@ -212,8 +212,8 @@ def finish(ep, tokenizer):
 
 
 def execute_turn(tokenizer, retriever, episodes, gens, proto):
-    """Append each sampled turn and execute its action; searches of all episodes go to the retriever
-    at once."""
+    """Append each sampled turn and execute its action; searches of all episodes go to the
+    retriever at once."""
     searches = []
     for ep, gen in zip(episodes, gens):
         turn = _add_turn(ep, gen, tokenizer)
@@ -226,8 +226,8 @@ def execute_turn(tokenizer, retriever, episodes, gens, proto):
             _add_observation(ep, turn, tokenizer, INVALID_ACTION_MSG, proto)
     if searches:
         # DEVIATION R2: an over-long query is cut to max_query_chars before retrieval.
-        docs = retriever.search([turn.content[:proto.max_query_chars]
-                                 for _, turn in searches], topk=proto.topk)
+        docs = retriever.search([turn.content[:proto.max_query_chars] for _, turn in searches],
+                                topk=proto.topk)
         for (ep, turn), hits in zip(searches, docs):
             turn.doc_ids = tuple(str(d["id"]) for d in hits)
             _add_observation(ep, turn, tokenizer, information_block(_format_docs(hits)), proto)
@@ -294,10 +294,10 @@ def branch(ep, turn: int, include_turn=False, key_overrides=None, fresh_seed=Non
     overrides.update(key_overrides or {})
     new = Episode(uid=ep.uid, line=ep.line, key=ep.key, question=ep.question,
                   golden_answers=ep.golden_answers, prompt_ids=ep.prompt_ids, ids=ep.ids[:cut],
-                  mask=ep.mask[:cut], turns=list(
-                      ep.turns[:start]), key_overrides=overrides, fresh_seed=ep.fresh_seed
-                  if fresh_seed is None else fresh_seed, fresh_from=ep.fresh_from
-                  if fresh_seed is None else start, branch_turn=turn, fork=fork)
+                  mask=ep.mask[:cut], turns=list(ep.turns[:start]), key_overrides=overrides,
+                  fresh_seed=ep.fresh_seed if fresh_seed is None else fresh_seed,
+                  fresh_from=ep.fresh_from if fresh_seed is None else start,
+                  branch_turn=turn, fork=fork)
     # the cached engine starts the branch from its parent's cache
     new._kv = getattr(ep, "_kv", None)
     # the turn ended the episode: nothing left to sample
@@ -315,12 +315,11 @@ class Decisions:
 
 
 def decision_table(episodes, group_success) -> Decisions:
-    """c_t counts what a twin from s_t is predicted to generate: y_t and the factual turns after it.
-    """
+    """c_t counts what a twin from s_t is predicted to generate: y_t and the factual turns after
+    it."""
     index, cost = [], []
-    cols = {
-        k: [] for k in ("turn", "action", "entropy", "group_success", "outcome", "turns_remaining")
-    }
+    cols = {k: [] for k in ("turn", "action", "entropy", "group_success", "outcome",
+                            "turns_remaining")}
     for i, ep in enumerate(episodes):
         for t, turn in enumerate(ep.turns):
             index.append((i, t))
@@ -344,46 +343,44 @@ class TwinResult:
     diff: float         # D_t = U - U'
     tokens: int         # tokens generated: the alternative turn (from the fork) + the continuation
     twin: Episode
-    k: int | None = None  # token fork: the position in turn t of the forked token; None: the whole
-    #                       turn
+    k: int | None = None  # token fork: the forked token's position in turn t; None: whole turn
 
 
 def _same_evidence(factual: Turn, alt: Turn) -> bool:
-    return factual.action == alt.action == "search" and bool(
-        alt.doc_ids) and alt.doc_ids == factual.doc_ids
+    return (factual.action == alt.action == "search" and bool(alt.doc_ids)
+            and alt.doc_ids == factual.doc_ids)
 
 
 def turn_start(ep, t: int, n: int, key=None, ban=None) -> TurnStart:
     """rows.TurnStart of turn t with ep's first n tokens of it given (their sampled log-probs and
-    entropies): a token fork at n (key, ban = y_t[n]) or, with neither, a continuation from position
-    n."""
+    entropies): a token fork at n (key, ban = y_t[n]) or, with neither, a continuation from
+    position n."""
     turn = ep.turns[t]
     if not 0 <= n < turn.end - turn.start:
         raise ValueError(f"turn_start: token {n} outside turn {t}'s {turn.end - turn.start} tokens")
-    return TurnStart(t, ep.ids[turn.start:turn.start + n], turn.logprobs[:n], turn.entropy[:n], key,
-                     ban)
+    return TurnStart(t, ep.ids[turn.start:turn.start + n], turn.logprobs[:n], turn.entropy[:n],
+                     key, ban)
 
 
 def run_twins(model, tokenizer, retriever, requests, proto, coupling=True,
               same_evidence_shortcut=True, independent=False, forks=None, chunk=0,
               release=False) -> list:
-    """Twin of each (finished episode, turn t, j), all batched: y' ~ pi(. | s_t) with alt_key(key,
-    t, j), then the factual keys for every later (turn, pos) (coupling) or fresh ones. Self-twins
-    (y' == y_t token for token) and, with the shortcut, searches retrieving the same ids in the same
-    order take D = 0 without a rollout.
+    """Twin of each (finished episode, turn t, j), all batched: y' ~ pi(. | s_t) with
+    alt_key(key, t, j), then the factual keys for every later (turn, pos) (coupling) or fresh ones.
+    Self-twins (y' == y_t token for token) and, with the shortcut, searches retrieving the same ids
+    in the same order take D = 0 without a rollout.
 
     forks (twin_unit = token, DESIGN.md section 5): per request the token k of turn t to fork at.
     The twin keeps y_t[:k], draws its token k from pi(. | s_k) restricted to v != y_t[k] with
-    alt_key(key, t, j) (at position k), then continues on the factual keys: turn t's from position k
-    + 1 on, every later turn's. So E[D] = Q(s_k, y_k) - E_{v != y_k} Q(s_k, v): no self-twin and no
-    rewording of the same decision.
+    alt_key(key, t, j) (at position k), then continues on the factual keys: turn t's from
+    position k + 1 on, every later turn's. So E[D] = Q(s_k, y_k) - E_{v != y_k} Q(s_k, v): no
+    self-twin and no rewording of the same decision.
 
     independent=True is the textbook independent counterfactual (method=independent): y' and every
-    later turn use
-    turn_key(fresh_key(key, INDEPENDENT_TAG, t, j), turn), every twin is rolled out (a self-twin too: its future
-    noise is fresh, so it is not the factual episode) and the shortcut is off. coupling=False alone
-    keeps the old ablation, which still scores self-twins and shortcuts as D = 0 (a coupled
-    outcome).
+    later turn use turn_key(fresh_key(key, INDEPENDENT_TAG, t, j), turn), every twin is rolled out
+    (a self-twin too: its future noise is fresh, so it is not the factual episode) and the shortcut
+    is off. coupling=False alone keeps the old ablation, which still scores self-twins and
+    shortcuts as D = 0 (a coupled outcome).
 
     Memory (DESIGN.md section 10): chunk > 0 runs the requests in consecutive chunks of that many,
     each finished before the next begins, so only one chunk's twins hold KV caches at once (every
@@ -395,16 +392,15 @@ def run_twins(model, tokenizer, retriever, requests, proto, coupling=True,
     for c in range(0, len(requests), size):
         part = requests[c:c + size]
         ks = [None] * len(part) if forks is None else forks[c:c + size]
-        twins = [_twin_branch(c + i, ep, t, j, k, coupling, independent) for i, ((ep, t, j), k) in
-                 enumerate(zip(part, ks))]
+        twins = [_twin_branch(c + i, ep, t, j, k, coupling, independent)
+                 for i, ((ep, t, j), k) in enumerate(zip(part, ks))]
         if release:
             release_caches([ep for ep, _, _ in part if last[id(ep)] < c + size])
         kinds = _run_twin_chunk(model, tokenizer, retriever, part, twins, proto,
                                 same_evidence_shortcut, independent, release)
-        out += [
-            TwinResult(c + i, t, j, kind, tw.reward, ep.reward - tw.reward, tw.n_generated, tw, k)
-            for i, ((ep, t, j), kind, tw, k) in enumerate(zip(part, kinds, twins, ks))
-        ]
+        out += [TwinResult(c + i, t, j, kind, tw.reward, ep.reward - tw.reward,
+                           tw.n_generated, tw, k)
+                for i, ((ep, t, j), kind, tw, k) in enumerate(zip(part, kinds, twins, ks))]
     return out
 
 
@@ -426,8 +422,8 @@ def _twin_branch(i, ep, t, j, k, coupling, independent) -> Episode:
 
 def _run_twin_chunk(model, tokenizer, retriever, requests, twins, proto, same_evidence_shortcut,
                     independent, release) -> list:
-    """y' for every twin at once, then the rolled-out twins to their end; returns each twin's kind.
-    """
+    """y' for every twin at once, then the rolled-out twins to their end; returns each twin's
+    kind."""
     gens = generate_turn(model, tokenizer, twins, proto) if twins else []
     kinds, live = [], []
     for (ep, t, _), twin, gen in zip(requests, twins, gens):
@@ -457,8 +453,8 @@ def continue_from(model, tokenizer, retriever, requests, proto) -> list:
     all batched.
 
     include_turn=True: from just after turn t (a sample of Q(s_t, y_t)); False: from s_t (V(s_t)).
-    The noise of every sampled turn uses turn_key(seed, turn): e.g. seed = fresh_key(ep.key,
-    MC_Q_TAG, t, k) for the k-th.
+    The noise of every sampled turn uses turn_key(seed, turn): e.g.
+    seed = fresh_key(ep.key, MC_Q_TAG, t, k) for the k-th.
     """
     branches = [branch(ep, t, include_turn=inc, fresh_seed=seed) for ep, t, inc, seed in requests]
     return run_episodes(model, tokenizer, retriever, branches, proto)
@@ -478,17 +474,17 @@ def continue_after_token(model, tokenizer, retriever, requests, proto) -> list:
 
 
 def observation_of(turn: Turn):
-    """What the environment showed after a turn: the retrieved ids of an executed search, "invalid"
-    for Search-R1's invalid-action message, None when nothing was appended (an answer, or the final
-    turn)."""
+    """What the environment showed after a turn: the retrieved ids of an executed search,
+    "invalid" for Search-R1's invalid-action message, None when nothing was appended (an answer,
+    or the final turn)."""
     if turn.doc_ids:
         return turn.doc_ids
     return "invalid" if turn.obs_end > turn.obs_start else None
 
 
 def evidence_states(ep) -> list:
-    """GiGPO/HGPO state of each turn t: (uid, observations of turns 0..t-1), the prompt's state for
-    t = 0.
+    """GiGPO/HGPO state of each turn t: (uid, observations of turns 0..t-1), the prompt's state
+    for t = 0.
 
     The environment state of a search episode is the evidence it has been shown; the agent's own
     words (thoughts, query wording) are the policy's, not the environment's, as GiGPO's ALFWorld
@@ -500,9 +496,9 @@ def evidence_states(ep) -> list:
 
 
 def mask_shared_prefix(ep) -> int:
-    """Loss mask 0 on a tree branch's tokens before its branch turn (they are its parent's, trained
-    in the parent's row): each shared token enters the loss once. Returns how many sampled tokens
-    were masked."""
+    """Loss mask 0 on a tree branch's tokens before its branch turn (they are its parent's,
+    trained in the parent's row): each shared token enters the loss once. Returns how many sampled
+    tokens were masked."""
     if ep.branch_turn is None:
         return 0
     cut = ep.turns[ep.branch_turn].start if ep.branch_turn < len(ep.turns) else len(ep.ids)
@@ -524,10 +520,10 @@ def collate(episodes, pad_id: int, max_context: int | None = None) -> dict:
         if over:
             b, n = over[0]
             raise ValueError(
-                f"collate: {len(over)} row(s) longer than max_context={max_context} (row {b}, question "
-                f"{episodes[b].question[:60]!r}...: {len(episodes[b].prompt_ids)} prompt + "
-                f"{len(episodes[b].ids)} response = {n} tokens); over-long prompts are refused when "
-                "the QA file is loaded (eval.refuse_long_prompts)")
+                f"collate: {len(over)} row(s) longer than max_context={max_context} (row {b}, "
+                f"question {episodes[b].question[:60]!r}...: {len(episodes[b].prompt_ids)} prompt "
+                f"+ {len(episodes[b].ids)} response = {n} tokens); over-long prompts are refused "
+                "when the QA file is loaded (eval.refuse_long_prompts)")
     width = max(map(len, rows))
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, L)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -554,10 +550,10 @@ if __name__ == "__main__":
     import runpy
     import sys
     if sys.argv[1:2] != ["replay"]:
-        print(
-            "usage: python rollout.py replay --run DIR --step N --uid U --line L [--twin T | --twins]\n\n"
-            "Re-sample one logged training episode from its checkpoint and print it (lab/replay.py; "
-            "python rollout.py replay --help lists every option).")
+        print("usage: python rollout.py replay --run DIR --step N --uid U --line L "
+              "[--twin T | --twins]\n\n"
+              "Re-sample one logged training episode from its checkpoint and print it "
+              "(lab/replay.py; python rollout.py replay --help lists every option).")
         raise SystemExit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     sys.argv = ["rollout.py replay"] + sys.argv[2:]
     runpy.run_module("lab.replay", run_name="__main__", alter_sys=True)

@@ -1,18 +1,18 @@
-"""Same luck: keyed Gumbel-max sampling (DESIGN.md section 4), the noise every draw of TWICE is made
-of.
+"""Same luck: keyed Gumbel-max sampling (DESIGN.md section 4), the noise every draw of TWICE is
+made of.
 
 Token v at position `pos` of turn `t` of an episode is drawn as
-    y = argmax_v  l_v / T + g_v,   g_v = -log(-log u_v),   u_v = U(turn_key(episode_key, t), pos, v)
+    y = argmax_v l_v / T + g_v,  g_v = -log(-log u_v),  u_v = U(turn_key(episode_key, t), pos, v)
 with U a counter-based hash (the splitmix64 stream seeded by mix(turn_key, pos), element v+1), so
 every row is a pure function of its key: any episode regenerates alone, in any batch, with any left
 padding, on any device. It is an exact sample from softmax(l / T), top-k / top-p masks applied
 before the noise; T = 0 is greedy.
-episode_key = mix(run_seed, step, prompt uid, line), line = the sample's index inside its GRPO group.
+episode_key = mix(run_seed, step, prompt uid, line), line = the sample's index in its GRPO group.
 
 Twins (DESIGN.md section 5) replace one turn's key by alt_key(episode_key, t, j) and replay the
-factual keys after it, same luck, different choice: D_t = U - U', E[D_t | s_t, y_t] = Q(s_t, y_t) -
-V(s_t). Every other keyed draw (uncoupled twins, Monte Carlo continuations, the baselines' branches,
-the budget rule's branch draws, shuffles) is
+factual keys after it, same luck, different choice: D_t = U - U',
+E[D_t | s_t, y_t] = Q(s_t, y_t) - V(s_t). Every other keyed draw (uncoupled twins, Monte Carlo
+continuations, the baselines' branches, the budget rule's branch draws, shuffles) is
 mix(key, TAG, ...) with a tag of the one table below, so no two kinds of draw share noise.
 
 `keyed_gumbel_argmax` is the definition, written as its formula. `keyed_draw` is the fast exact draw
@@ -33,8 +33,7 @@ import math
 import torch
 from transformers import LogitsProcessor
 
-# --- keys (DESIGN.md section 4): integer mixing only, never Python's hash(), which is salted per
-# process ---
+# --- keys (DESIGN.md section 4): integer mixing only, never Python's hash(), salted per process ---
 M64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment, 2^64 / golden ratio
 # splitmix64 finaliser (Steele et al. 2014)
@@ -42,8 +41,7 @@ FMIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None))
 # u = (k + 1/2) / 2^23: exactly representable in float32, never 0 or 1, so g is finite (|g| < 17)
 U_BITS = 23
 
-# --- key tags: a derived key is mix(key, TAG, ...), TAG the ASCII of a short word; all distinct
-# (tested) ---
+# --- key tags: a derived key is mix(key, TAG, ...), TAG a short word's ASCII, tested distinct ---
 # "turn": turn t's sampling noise, turn_key(key, t): every sampled token (rollout, engine)
 TURN_TAG = 0x7475726E
 # "alt": a twin's alternative decision, alt_key(key, t, j) (rollout.run_twins, audit)
@@ -86,8 +84,8 @@ def _fmix64(x: int) -> int:
 
 
 def mix(*ints: int) -> int:
-    """Unsigned 64-bit mix of integers (splitmix64 finaliser after each): order-sensitive, stable
-    across runs."""
+    """Unsigned 64-bit mix of integers (splitmix64 finaliser after each): order-sensitive,
+    stable across runs."""
     h = 0
     for a in ints:
         h = _fmix64(((h ^ (a & M64)) + GOLDEN) & M64)
@@ -116,8 +114,8 @@ def alt_key(ep_key: int, turn: int, j: int) -> int:
 
 def line_key(turn_key_: int, line: int) -> int:
     """Key of text line `line` of a turn under the text-line reading (DESIGN.md section 5,
-    `line_keys = "text"`): line 0 is the turn key itself, so a turn without a newline draws as under
-    the group reading."""
+    `line_keys = "text"`): line 0 is the turn key itself, so a turn without a newline draws as
+    under the group reading."""
     return turn_key_ if line == 0 else mix(turn_key_, LINE_TAG, line)
 
 
@@ -128,8 +126,9 @@ def fresh_key(ep_key: int, tag: int, *idx: int) -> int:
 
 
 def branch_uniform(*key: int) -> float:
-    """Keyed uniform in [0, 1) of a budget-rule branch draw (decision t branches iff u < q_t), e.g.
-    key = (run seed, step, uid, line, turn): reproducible, and independent of every sampling key."""
+    """Keyed uniform in [0, 1) of a budget-rule branch draw (decision t branches iff u < q_t),
+    e.g. key = (run seed, step, uid, line, turn): reproducible, and independent of every sampling
+    key."""
     return mix(*key, BRANCH_TAG) / 2.0 ** 64
 
 
@@ -139,16 +138,15 @@ def _signed(u: int) -> int:
     return u - (1 << 64) if u >> 63 else u
 
 
-# --- keyed uniforms: int64 arithmetic wraps, so it is uint64 arithmetic bit for bit; shifts are
-# made logical ---
+# --- keyed uniforms: int64 arithmetic wraps (uint64 bit for bit); shifts are made logical ---
 _FMIX_T = tuple((shift, (1 << (64 - shift)) - 1, _signed(mult) if mult else None)
                 for shift, mult in FMIX)
 _WEYL = {}  # (vocab, device) -> (V,) int64 (v + 1) * GOLDEN
 
 
 def _fmix64_(x, tmp, rounds=3):
-    """splitmix64 finaliser in place on an int64 tensor (tmp: scratch of the same shape, or None).
-    """
+    """splitmix64 finaliser in place on an int64 tensor (tmp: scratch of the same shape, or
+    None)."""
     for shift, low, mult in _FMIX_T[:rounds]:
         tmp = torch.bitwise_right_shift(x, shift, out=tmp)
         x.bitwise_xor_(tmp.bitwise_and_(low))  # clear the sign-extended bits: logical shift
@@ -158,14 +156,15 @@ def _fmix64_(x, tmp, rounds=3):
 
 
 def _row_seeds(keys, pos):
-    """mix(key, pos) for a (B,) int64 tensor of keys: the seed of the row's noise stream at position pos."""
+    """mix(key, pos) for a (B,) int64 tensor of keys: the seed of the row's noise stream at
+    position pos."""
     h = _fmix64_(keys + _signed(GOLDEN), None)
     return _fmix64_((h ^ pos) + _signed(GOLDEN), None)
 
 
 def line_keys(turn_keys, lines):
-    """line_key over (B,) int64 tensors of turn keys and line numbers (no host sync: the decode step
-    calls it)."""
+    """line_key over (B,) int64 tensors of turn keys and line numbers (no host sync: the decode
+    step calls it)."""
     h = _fmix64_(turn_keys + _signed(GOLDEN), None)
     h = _fmix64_((h ^ _signed(LINE_TAG)) + _signed(GOLDEN), None)
     return torch.where(lines == 0, turn_keys, _fmix64_((h ^ lines) + _signed(GOLDEN), None))
@@ -174,14 +173,14 @@ def line_keys(turn_keys, lines):
 def _weyl(vocab: int, device) -> torch.Tensor:
     key = (vocab, str(device))
     if key not in _WEYL:
-        _WEYL[key] = torch.arange(1, vocab + 1, dtype=torch.int64, device=device).mul_(
-            _signed(GOLDEN))
+        _WEYL[key] = torch.arange(1, vocab + 1, dtype=torch.int64,
+                                  device=device).mul_(_signed(GOLDEN))
     return _WEYL[key]
 
 
 def _stream_top_bits(seeds, weyl, x=None, tmp=None):
-    """(B, V) signed top U_BITS bits of splitmix64 output v+1 of each row's stream, in [-2^22,
-    2^22).
+    """(B, V) signed top U_BITS bits of splitmix64 output v+1 of each row's stream, in
+    [-2^22, 2^22).
 
     The finaliser's last xorshift (>> 31) leaves the top 31 bits unchanged, so two rounds give the
     same top bits.
@@ -192,8 +191,8 @@ def _stream_top_bits(seeds, weyl, x=None, tmp=None):
 
 
 def _log_uniform_(k, out=None):
-    """log u with u = (k + 2^22 + 1/2) / 2^23 (k from _stream_top_bits): every step exact in float32
-    but the log."""
+    """log u with u = (k + 2^22 + 1/2) / 2^23 (k from _stream_top_bits): every step exact in
+    float32 but the log."""
     u = torch.mul(k, 2.0 ** -U_BITS, out=out) if out is None else out.copy_(k).mul_(2.0 ** -U_BITS)
     return u.add_(0.5 + 2.0 ** -(U_BITS + 1)).log_()
 
@@ -223,8 +222,8 @@ def keyed_gumbel_argmax(logits, row_keys, pos, temperature: float = 1.0) -> torc
 
 
 def _keyed_race(l, seeds, weyl, e=None, x=None, tmp=None, f=None):
-    """Keyed Gumbel-max on scaled, masked logits l (B, V), modified in place -> (token, log-prob,
-    entropy), (B,).
+    """Keyed Gumbel-max on scaled, masked logits l (B, V), modified in place ->
+    (token, log-prob, entropy), (B,).
 
     argmax_v l_v + g_v = argmax_v exp(l_v - m) / E_v with E_v = -log u_v ~ Exp(1) (the exponential
     race): the same draw, one log per element instead of two, and exp(l - m) is needed for the
@@ -257,8 +256,8 @@ def _mask_top_k_top_p(l, top_k: int, top_p: float):
     TopK/TopPLogitsWarper order).
 
     The nucleus keeps token v iff the mass of the tokens strictly more likely than v is below top_p
-    (so the most likely token always, and every token tied with the least likely kept one): keep l
-    >= _nucleus_floor(l, top_p).
+    (so the most likely token always, and every token tied with the least likely kept one):
+    keep l >= _nucleus_floor(l, top_p).
     """
     if top_k > 0 and top_k < l.shape[-1]:
         l.masked_fill_(l < torch.topk(l, top_k).values[..., -1:], -math.inf)
@@ -274,8 +273,8 @@ def _nucleus_floor(l, top_p: float):
     CPU: the TOP_P_CANDIDATES most likely tokens give it exactly whenever they hold the nucleus
     (mass >= top_p before the last one); rows where they do not are redone over the whole sorted
     vocabulary. CUDA: a bisection over the floats' own order (no sort, no host sync, fixed shapes,
-    so it runs inside a captured decode step). Both give the smallest logit x with mass(l > x) <
-    top_p (float32 sums, in different orders)."""
+    so it runs inside a captured decode step). Both give the smallest logit x with
+    mass(l > x) < top_p (float32 sums, in different orders)."""
     e = torch.exp(l - l.amax(-1, keepdim=True))  # (B, V) unnormalised probabilities
     z = e.sum(-1, keepdim=True)  # (B, 1)
     if l.is_cuda:
@@ -289,8 +288,8 @@ def _nucleus_floor(l, top_p: float):
 
 def _candidate_floor(l, z, top_p: float, k: int):
     """(floor (B, 1), covered (B,)) from the k most likely tokens: kept ranks are those whose
-    strictly-more-likely mass (exclusive cumulative sum) is below top_p; covered: a rank among the k
-    is dropped (or k is the vocabulary)."""
+    strictly-more-likely mass (exclusive cumulative sum) is below top_p; covered: a rank among
+    the k is dropped (or k is the vocabulary)."""
     vals = torch.topk(l, k).values  # (B, k), descending
     p = torch.exp(vals - l.amax(-1, keepdim=True)) / z
     above = torch.cumsum(p, -1) - p  # (B, k) mass before each rank
@@ -333,19 +332,19 @@ def _ban_(l, ban):
 
 def keyed_draw(l, keys, pos, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                fused: bool = False, scratch=None, ban=None):
-    """(token, log-prob, entropy), each (B,), of keyed Gumbel-max draws on float32 logits l (B, V),
-    modified in place: the processor's draw as a function (the engine's decode step calls it, also
-    inside a captured CUDA graph). keys (B,) int64 turn keys, pos int or (B,) positions in the turn;
-    scratch: _keyed_race's optional buffers. ban (B,) token ids or -1: row b draws from the sampling
-    law (after top-k / top-p) restricted to v != ban[b] (a token fork), and records that restricted
-    law's log-prob and entropy."""
+    """(token, log-prob, entropy), each (B,), of keyed Gumbel-max draws on float32 logits
+    l (B, V), modified in place: the processor's draw as a function (the engine's decode step calls
+    it, also inside a captured CUDA graph). keys (B,) int64 turn keys, pos int or (B,) positions in
+    the turn; scratch: _keyed_race's optional buffers. ban (B,) token ids or -1: row b draws from
+    the sampling law (after top-k / top-p) restricted to v != ban[b] (a token fork), and records
+    that restricted law's log-prob and entropy."""
     if temperature == 0:  # greedy: argmax of the logits, statistics of softmax(logits)
         if ban is not None:
             _ban_(l, ban)
         token = l.argmax(-1)
         log_p = torch.log_softmax(l, -1)
-        return token, log_p.gather(
-            1, token[:, None]).squeeze(1), -(log_p.exp() * log_p.nan_to_num()).sum(-1)
+        return (token, log_p.gather(1, token[:, None]).squeeze(1),
+                -(log_p.exp() * log_p.nan_to_num()).sum(-1))
     if temperature != 1:
         l.div_(temperature)
     _mask_top_k_top_p(l, top_k, top_p)
@@ -363,16 +362,16 @@ class KeyedGumbelProcessor(LogitsProcessor):
 
     Row b's token at position pos of the turn (pos = generated length, never the padded length) is
     argmax_v l_v / T + g_v with masking (top-k, top-p) applied before the noise: an exact sample
-    from softmax of the masked l / T. The processor draws it itself and returns the scores with +inf
-    at that token, so greedy search picks it whatever it would do with ties (and no (B, V) write). T
-    = 0 is greedy (no noise). It records, per row and step, the token's log-prob under the sampling
-    distribution and the entropy of that distribution (at T = 0: those of
+    from softmax of the masked l / T. The processor draws it itself and returns the scores with
+    +inf at that token, so greedy search picks it whatever it would do with ties (and no (B, V)
+    write). T = 0 is greedy (no noise). It records, per row and step, the token's log-prob under
+    the sampling distribution and the entropy of that distribution (at T = 0: those of
     softmax(logits)); finished rows (`rows`, set by TurnStopper) are skipped and record nan.
 
-    keyer (optional, set by the engine): keyer(input_ids, n) -> ((B,) keys, (B,) positions, (B,)
-    banned token or -1, or None) of the n-th draw of every row: rows that start inside a turn or
-    draw a fork token (rows.TurnStart), and the text-line reading of keys; without it row b draws
-    with keys[b] at position n.
+    keyer (optional, set by the engine): keyer(input_ids, n) -> ((B,) keys, (B,) positions,
+    (B,) banned token or -1, or None) of the n-th draw of every row: rows that start inside a turn
+    or draw a fork token (rows.TurnStart), and the text-line reading of keys; without it row b
+    draws with keys[b] at position n.
     """
 
     def __init__(self, turn_keys, start_len: int, temperature=1.0, top_k=0, top_p=1.0, fused=False):
@@ -389,7 +388,8 @@ class KeyedGumbelProcessor(LogitsProcessor):
         keys, ban, rows = self.keys, None, self.rows
         if self.keyer is not None:
             keys, pos, ban = self.keyer(input_ids, pos)
-        pick = lambda x: x if rows is None or not torch.is_tensor(x) else x.index_select(0, rows)  # noqa: E731
+        pick = lambda x: (x if rows is None or not torch.is_tensor(x)  # noqa: E731
+                          else x.index_select(0, rows))
         logits = scores if rows is None else scores.index_select(0, rows)  # (b, V)
         token, logprob, entropy = self._draw(logits, pick(keys), pick(pos),
                                              None if ban is None else pick(ban))
@@ -411,8 +411,8 @@ class KeyedGumbelProcessor(LogitsProcessor):
                           scratch, ban)
 
     def _scratch(self, l):
-        """(b, V) views of per-call buffers: e, x, tmp, f (allocated once, at the first step's full
-        batch)."""
+        """(b, V) views of per-call buffers: e, x, tmp, f (allocated once, at the first step's
+        full batch)."""
         if self._buffers is None or self._buffers[0].shape[0] < l.shape[0]:
             shape, dev = l.shape, l.device
             self._buffers = (torch.empty(shape, dtype=l.dtype, device=dev),

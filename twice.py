@@ -1,5 +1,5 @@
-"""TWICE, the method: steps 1-6 of a training step, turned into token advantages (DESIGN.md section
-5).
+"""TWICE, the method (DESIGN.md section 5): steps 1-6 of a training step, turned into token
+advantages.
 
 Paper: "Same Luck, Different Choice: Twin-World Credit Assignment for Agentic Reinforcement
 Learning" (arXiv 2610.31544). train_twice.train_step calls the method through one hook
@@ -8,24 +8,25 @@ Learning" (arXiv 2610.31544). train_twice.train_step calls the method through on
   1. G factual episodes per prompt, every token a keyed Gumbel-max draw (sampler.py):
      key = mix(seed, step, prompt_uid, line), noise u = U(key, turn, pos, token).   `Method.rollout`
   2. Trajectory advantage (GRPO):  A_traj_i = (U_i - mean_group) / (std_group + eps).
-                                                                         `Method.trajectory_advantages`
+                                                                      `Method.trajectory_advantages`
   3. Budget rule:  q_t = clip(lambda sqrt(p_t / c_t), q_min, 1), lambda such that
      sum_t q_t c_t = twin_budget x factual tokens. p_t is the predicted P(U != U') (online logistic
      regression), c_t the tokens of y_t and of everything after it. Decision t branches iff a keyed
-     uniform < q_t.                                                      `branch`
+     uniform < q_t.                                                                         `branch`
   4. Twins: y' ~ pi(.|s_t) with alternative keys, then the factual keys for every later (turn, pos):
      same luck, different choice. D_t = U - U' is unbiased for Q(s_t, y_t) - V(s_t), with (1 - rho)
      times the variance of an independent counterfactual. Self-twins (y' == y_t) and same-evidence
-     searches cost no rollout (D_t = 0).                                 `roll_twins`
-  5. Horvitz-Thompson:  A_hat_t = 1[branched] mean_j D_t^j / q_t.        credit.ht_credit
+     searches cost no rollout (D_t = 0).                                                `roll_twins`
+  5. Horvitz-Thompson:  A_hat_t = 1[branched] mean_j D_t^j / q_t.                   credit.ht_credit
   6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega A_hat_t / sigma_hat,
      sigma_hat a scale of D itself (twin_scale = d), so omega means the same at every budget.
-                                                                         credit.turn_advantages
+                                                                              credit.turn_advantages
 
 `twin_credit` is steps 2-6 for the paper's unit, a whole turn. `token_twin_credit` is the token unit
 (twin_unit = token, forks.py): the twin forks one token k ~ r_t of the turn (y_t[:k] kept, y_k
-banned, the factual keys after it), p_t and c_t are the fork law's, and token k alone gets omega (1
-- pi_k) mean_j D^j / (q_t r_t(k) sigma_hat), unbiased for Q(s_k, y_k) - V(s_k) over sigma_hat.
+banned, the factual keys after it), p_t and c_t are the fork law's, and token k alone gets
+omega (1 - pi_k) mean_j D^j / (q_t r_t(k) sigma_hat), unbiased for Q(s_k, y_k) - V(s_k) over
+sigma_hat.
 
 `Method` is GRPO: steps 1-2, broadcast over the turns. Every baseline of methods/ extends it and
 replaces the advantages (DESIGN.md section 7). `Twice` adds steps 3-6;
@@ -46,17 +47,16 @@ import sampler
 class Method:
     """GRPO (Shao et al. 2024, as run by Search-R1): the group-normalised outcome on every turn.
 
-    The hook of train_twice.train_step. `rollout` gives the step's episodes; `advantages` gives (B,
-    L) token advantages on collate's rows and the step's counters (stats["aux_tokens"] counts every
-    token generated beyond the factual episodes). `state_dict` / `load_state_dict` go into every
-    checkpoint's run.json, and `save(dir)` / `load(dir, run)` put tensors beside it, so --resume
-    continues exactly.
+    The hook of train_twice.train_step. `rollout` gives the step's episodes; `advantages` gives
+    (B, L) token advantages on collate's rows and the step's counters (stats["aux_tokens"] counts
+    every token generated beyond the factual episodes). `state_dict` / `load_state_dict` go into
+    every checkpoint's run.json, and `save(dir)` / `load(dir, run)` put tensors beside it, so
+    --resume continues exactly.
     """
     name = "grpo"
     # Twice only: twins under fresh keys (rollout.run_twins(independent=True))
     independent_twins = False
-    # advantages run under the accelerator's autocast (the estimators' passes)
-    autocast = True
+    autocast = True  # advantages run under the accelerator's autocast (the estimators' passes)
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -64,10 +64,9 @@ class Method:
     def rollout(self, run, step, prompts, proto) -> list:
         """Step 1: G factual lines per prompt."""
         # GPU memory: an episode nothing branches from (GRPO's) drops its KV cache when it ends;
-        # keep_caches=False drops every one (twins and continuations then prefill their context
-        # again)
-        release = getattr(self.cfg, "method",
-                          "") == "grpo" or not getattr(self.cfg, "keep_caches", True)
+        # keep_caches=False drops all (twins and continuations then prefill their context again)
+        release = (getattr(self.cfg, "method", "") == "grpo"
+                   or not getattr(self.cfg, "keep_caches", True))
         return rollout.factual_episodes(self.policy(run), run.tok, run.retriever, prompts, proto,
                                         self.cfg.seed, step, self.cfg.group_size, release=release)
 
@@ -91,8 +90,8 @@ class Method:
     def step_stats(self, accel, stats: dict, factual_tokens: int) -> dict:
         """The step's counters summed over ranks (every value a number; aux_tokens among them)."""
         keys = sorted(stats)
-        counts = torch.tensor([float(stats[k])
-                               for k in keys], dtype=torch.float64, device=accel.device)
+        counts = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64,
+                              device=accel.device)
         total = accel.reduce(counts, "sum").tolist() if keys else []
         return {k: int(v) if float(v).is_integer() else v for k, v in zip(keys, total)}
 
@@ -169,19 +168,19 @@ def token_twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
     pairs, twins, diffs = roll_twins(cfg, run, episodes, decisions, branched, proto,
                                      forks_at=row - table.offsets[:-1])
     a_flat = forks.fork_credit(diffs, branched, budget.q, law.r[row], table.pi[row])
-    # DEVIATION F1: the token predictor learns from the fork tokens the law drew (no importance
-    # weights)
+    # DEVIATION F1: the token predictor learns from the fork tokens the law drew
+    # (no importance weights)
     fit = learn(run, run.token_predictor, table.features, [row[n] for n, _ in pairs], twins)
     sigma = scale_step(cfg, run, diffs, branched, budget.q, a_flat)
-    turn_adv = credit.turn_advantages(a_traj, [np.zeros(len(ep.turns))
-                                               for ep in episodes], cfg.omega, sigma)
+    turn_adv = credit.turn_advantages(a_traj, [np.zeros(len(ep.turns)) for ep in episodes],
+                                      cfg.omega, sigma)
     adv = credit.spread_over_tokens(turn_adv, rollout.turn_spans(episodes),
                                     batch["input_ids"].shape[1])
     for n in np.flatnonzero(branched):
         i, t = decisions.index[n]
         k = row[n] - table.offsets[n]
-        adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start +
-            k] += cfg.omega * a_flat[n] / sigma
+        adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start + k] += (
+            cfg.omega * a_flat[n] / sigma)
     return adv, counters(twins, decisions, budget, fit)
 
 
@@ -189,8 +188,8 @@ def token_twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
 # The pieces both units share
 
 def decision_table(cfg, episodes) -> "rollout.Decisions":
-    """Every decision of the batch with its features, cost c_t and key; the group's success rate is
-    a feature of the discordance predictor."""
+    """Every decision of the batch with its features, cost c_t and key; the group's success rate
+    is a feature of the discordance predictor."""
     rewards = np.array([ep.reward for ep in episodes])
     group_success = rewards.reshape(-1, cfg.group_size).mean(1).repeat(cfg.group_size)
     return rollout.decision_table(episodes, group_success)
@@ -228,8 +227,8 @@ def roll_twins(cfg, run, episodes, decisions, branched, proto, forks_at=None) ->
 
 
 def learn(run, predictor, features, rows, twins) -> tuple:
-    """The discordance predictor learns 1[D != 0] of every twin of the batch, over every rank (the
-    same model on each); returns (AUC, Brier) of its predictions before the update."""
+    """The discordance predictor learns 1[D != 0] of every twin of the batch, over every rank
+    (the same model on each); returns (AUC, Brier) of its predictions before the update."""
     labels = gather_list(run.accel, [(features[r].tolist(), float(twin.diff != 0))
                                      for r, twin in zip(rows, twins)])
     x = np.array([x for x, _ in labels]).reshape(-1, features.shape[1])
@@ -243,8 +242,8 @@ def scale_step(cfg, run, diffs, branched, q, a_flat) -> float:
     the RMS of the batch's nonzero A_hat (the first form)."""
     if cfg.twin_scale == "rms":
         return run.sigma_hat.update(gather_list(run.accel, a_flat[branched].tolist()))
-    # DEVIATION C6: the paper's "running scale" read as a scale of D per decision, from the batches
-    # before this one
+    # DEVIATION C6: the paper's "running scale" read as a scale of D per decision,
+    # from the batches before this one
     sigma = run.sigma_hat.value
     mean_square = credit.ht_mean_square(diffs, branched, q) * len(q)
     total, n = np.sum(gather_list(run.accel, [(mean_square, len(q))]), axis=0)
@@ -264,8 +263,8 @@ TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts
 
 
 def twin_stats(accel, twins, n_decisions: int, factual_tokens: int) -> dict:
-    """The counters of TWIN_COUNTERS summed over ranks, and the logged rates (factual_tokens:
-    already summed)."""
+    """The counters of TWIN_COUNTERS summed over ranks, and the logged rates
+    (factual_tokens: already summed)."""
     kinds = [twin.kind for twin in twins]
     counts = [n_decisions, len(twins), kinds.count("self"), kinds.count("same_evidence"),
               kinds.count("rollout"), sum(twin.diff != 0 for twin in twins),

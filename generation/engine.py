@@ -1,13 +1,13 @@
-"""The generation engine: the next turn of many rows at once, every token a keyed draw (DESIGN.md
-section 11).
+"""The generation engine: the next turn of many rows at once, every token a keyed draw
+(DESIGN.md section 11).
 
-generate_turn(model, tokenizer, episodes, proto) samples one turn per episode. From an episode it reads only its
-context (prompt_ids + ids), the key of its next turn (key_for(len(turns)), sampler.py) and, for the
-cached engine, its KV cache (`_kv`); it returns a Generation per row: the token ids exactly as
-sampled (no decode/re-encode), their log-probs and entropies, and why the turn stopped
-(generation/stops.py: right after the first `</search>` or `</answer>` in its decoded text, at EOS,
-or at its token budget). The noise keys are (turn key, position in the turn), so neither padding,
-batch composition, caching nor read-back timing changes a token.
+generate_turn(model, tokenizer, episodes, proto) samples one turn per episode. From an episode it
+reads only its context (prompt_ids + ids), the key of its next turn (key_for(len(turns)),
+sampler.py) and, for the cached engine, its KV cache (`_kv`); it returns a Generation per row: the
+token ids exactly as sampled (no decode/re-encode), their log-probs and entropies, and why the turn
+stopped (generation/stops.py: right after the first `</search>` or `</answer>` in its decoded text,
+at EOS, or at its token budget). The noise keys are (turn key, position in the turn), so neither
+padding, batch composition, caching nor read-back timing changes a token.
 
 Row features (DESIGN.md section 11), the same in both paths: a TurnStart
 (ep.start_for(len(ep.turns))) gives a row its turn's first tokens, so it starts at position k, a key
@@ -17,35 +17,33 @@ line it is in, restarting positions after each token whose text holds a newline 
 
 Two paths, the same tokens (tested):
   cached (Protocol.engine = "cached", transformers decoders with full sdpa/eager attention): each
-  episode keeps the
-    KV cache of its context (a KVEntry); a turn feeds only what the cache lacks (the previous turn's
-    last token and the observation), identical contexts in a call are prefilled once, a branch
-    starts from its parent's cache. The decode runs in slots of one preallocated cache written in
-    place (generation/kvcache.py: no concatenation, no whole-cache copy, a fixed-shape step CUDA
-    graphs can replay); rows join free slots, leave at their stop, rows with one context share their
-    first step, and a twin's repeated tokens are read off stored hidden states. Stops are decided on
-    the device (generation/stops.py's automaton) and the sampled tokens read back every `sync_every`
-    steps.
-  generate (engine = "generate", or any other object with `generate`): left-padded `model.generate`
-  calls with
-    sampler.KeyedGumbelProcessor, each re-prefilling its whole context.
-A meter (perf/bench_engine.py's `counting`) can be attached to METER to add up what each path spends
-(model positions, padding, row-steps, decode steps, read-backs, bytes copied); none is attached in a
-run.
+    episode keeps the KV cache of its context (a KVEntry); a turn feeds only what the cache lacks
+    (the previous turn's last token and the observation), identical contexts in a call are
+    prefilled once, a branch starts from its parent's cache. The decode runs in slots of one
+    preallocated cache written in place (generation/kvcache.py: no concatenation, no whole-cache
+    copy, a fixed-shape step CUDA graphs can replay); rows join free slots, leave at their stop,
+    rows with one context share their first step, and a twin's repeated tokens are read off stored
+    hidden states. Stops are decided on the device (generation/stops.py's automaton) and the
+    sampled tokens read back every `sync_every` steps.
+  generate (engine = "generate", or any other object with `generate`): left-padded
+    `model.generate` calls with sampler.KeyedGumbelProcessor, each re-prefilling its whole context.
+A meter (perf/bench_engine.py's `counting`) can be attached to METER to add up what each path
+spends (model positions, padding, row-steps, decode steps, read-backs, bytes copied); none is
+attached in a run.
 
 It knows no reward, no retriever and no twins: it sees rows of token ids with keys and caches. What
 a turn means (its action, its observation, a branch) is rollout.py's.
 
-Deviations of the cached engine (DESIGN.md section 11; tagged `# DEVIATION P<n>:` where they act; P2
-and P4 are generation/logprobs.py's, P7 sampler.py's, P8 generation/kvcache.py's):
+Deviations of the cached engine (DESIGN.md section 11; tagged `# DEVIATION P<n>:` where they act;
+P2 and P4 are generation/logprobs.py's, P7 sampler.py's, P8 generation/kvcache.py's):
   P1. Logits from cached keys/values (or stored hidden states) equal re-prefilled ones up to float
       rounding, so a draw at an exact near-tie could differ from the generate path (none did in
       tests or benchmarks).
   P3. Each episode's cache lives as long as its Episode object holds it (twins need it after the
       rollout); the trainer drops it once nothing will branch from it (rollout.release_caches); no
       host offload.
-  P5. Slots refill within one turn's call only; turns stay a barrier (retrieval is batched per
-      turn).
+  P5. Slots refill within one turn's call only; turns stay a barrier (retrieval is batched
+      per turn).
   P6. The keyed draw (the processor's own, same noise and law) runs in this engine's decode loop,
       not inside `model.generate` as DESIGN.md section 4 says.
 """
@@ -80,6 +78,7 @@ def _count(**spent):
         for key, n in spent.items():
             METER[key] += n
 
+
 @dataclass
 class Generation:
     """A sampled turn before its action is executed."""
@@ -104,9 +103,9 @@ def _special_ids(model, tokenizer):
 
 @contextlib.contextmanager
 def _plain_generation_config(model):
-    """generate() fills every unset field from model.generation_config (Qwen2.5-Instruct sets repetition_penalty,
-    top_k, ...), and such processors would silently change the keyed draw: swap in a blank config
-    meanwhile."""
+    """generate() fills every unset field from model.generation_config (Qwen2.5-Instruct sets
+    repetition_penalty, top_k, ...), and such processors would silently change the keyed draw:
+    swap in a blank config meanwhile."""
     saved = model.generation_config
     model.generation_config = GenerationConfig()
     try:
@@ -129,10 +128,10 @@ def _generate_chunk(model, tokenizer, rows, proto) -> list:
                                 proto.temperature, proto.top_k, proto.top_p, _fused(proto, device))
     if any(r.start is not None or r.newline is not None for r in rows):
         proc.keyer = keyer(rows, device)
-    stopper = TurnStopper(tokenizer, width, [r.budget
-                                             for r in rows], eos, proc, [r.given for r in rows])
-    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max(r.budget - r.given
-                                                                               for r in rows),
+    stopper = TurnStopper(tokenizer, width, [r.budget for r in rows], eos, proc,
+                          [r.given for r in rows])
+    config = GenerationConfig(do_sample=False, num_beams=1,
+                              max_new_tokens=max(r.budget - r.given for r in rows),
                               eos_token_id=eos or None, pad_token_id=pad, use_cache=True)
     with _plain_generation_config(model), torch.no_grad():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
@@ -146,19 +145,20 @@ def _generate_chunk(model, tokenizer, rows, proto) -> list:
     gens = []
     for b, r in enumerate(rows):
         k = stopper.length[b]
-        assert k is not None and k <= new.shape[
-            1], f"row {b}: generation ended without a stop reason"
-        gens.append(
-            Generation(r.ids[:r.given] + new[b, :k].tolist(), r.logprobs[:r.given] +
-                       logprobs[b, :k].tolist(), r.entropy[:r.given] + entropy[b, :k].tolist(),
-                       stopper.reason[b], r.key, r.given))
+        assert k is not None and k <= new.shape[1], \
+            f"row {b}: generation ended without a stop reason"
+        gens.append(Generation(r.ids[:r.given] + new[b, :k].tolist(),
+                               r.logprobs[:r.given] + logprobs[b, :k].tolist(),
+                               r.entropy[:r.given] + entropy[b, :k].tolist(),
+                               stopper.reason[b], r.key, r.given))
     return gens
 
 
 def generate_turn(model, tokenizer, episodes, proto) -> list:
     """Sample the next turn of every episode (none may be done): the cached engine for a
-    transformers model (below), else (proto.engine = "generate", or any object with only `generate`)
-    left-padded generate calls in chunks of gen_batch_size, each re-prefilling its whole context."""
+    transformers model (below), else (proto.engine = "generate", or any object with only
+    `generate`) left-padded generate calls in chunks of gen_batch_size, each re-prefilling its
+    whole context."""
     rows = make_rows(episodes, tokenizer, proto)
     if _cached_engine(model, proto):
         return _generate_cached(model, tokenizer, episodes, rows, proto)
@@ -195,18 +195,19 @@ def _cached_engine(model, proto) -> bool:
 
 
 def _slots_fit(model) -> bool:
-    """The slot cache drives attention through a prepared mask per layer type: full attention only,
-    sdpa or eager (Qwen2.5, Llama-shaped models); anything else takes the generate path (same
+    """The slot cache drives attention through a prepared mask per layer type: full attention
+    only, sdpa or eager (Qwen2.5, Llama-shaped models); anything else takes the generate path (same
     tokens, slower)."""
     config = model.config
     layers = set(getattr(config, "layer_types", None) or ["full_attention"])
-    return layers == {"full_attention"} and getattr(config, "_attn_implementation",
-                                                    "sdpa") in ("sdpa", "eager")
+    return (layers == {"full_attention"}
+            and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
 
 
 def _usable(ep, ctx):
-    """(entry, n): ep's cached entry and how many leading tokens of ctx it covers (at most len(ctx)
-    - 1: the last context token is fed in the first decode step, which gives the first logits)."""
+    """(entry, n): ep's cached entry and how many leading tokens of ctx it covers (at most
+    len(ctx) - 1: the last context token is fed in the first decode step, which gives the first
+    logits)."""
     entry = getattr(ep, "_kv", None)
     if entry is None:
         return None, 0
@@ -224,8 +225,8 @@ def _forward(model, ids, mask, pos, cache):
     cache, right of the new tokens); a dict mask is the slot cache's, already per layer type."""
     seen = []
     norm = getattr(model.base_model, "norm", None) if _can_track(model) else None
-    hook = norm.register_forward_hook(
-        lambda mod, args, out: seen.append(out)) if norm is not None else None
+    hook = (norm.register_forward_hook(lambda mod, args, out: seen.append(out))
+            if norm is not None else None)
     try:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                     use_cache=True, logits_to_keep=1)
@@ -236,8 +237,8 @@ def _forward(model, ids, mask, pos, cache):
 
 
 def _can_track(model) -> bool:
-    """Logits = LM head(final norm output) holds for a transformers causal LM whose forward is the library's own;
-    only then may a row read logits off stored hidden states."""
+    """Logits = LM head(final norm output) holds for a transformers causal LM whose forward is the
+    library's own; only then may a row read logits off stored hidden states."""
     forward = type(model).forward
     return forward.__module__.startswith("transformers.") and hasattr(model.base_model, "norm")
 
@@ -278,8 +279,9 @@ def _stack_hidden(rows, width):
 
 
 def _prefill(model, episodes, contexts, proto, pad):
-    """Give every episode a KVEntry of its context but the last token: the missing suffix only, rows
-    with the same context computed once, in buckets of similar suffix length (little padding)."""
+    """Give every episode a KVEntry of its context but the last token: the missing suffix only,
+    rows with the same context computed once, in buckets of similar suffix length (little
+    padding)."""
     todo = {}
     for ep, ctx in zip(episodes, contexts):
         entry, n = _usable(ep, ctx)
@@ -304,8 +306,8 @@ def _prefill(model, episodes, contexts, proto, pad):
 
 
 def _shared_head(model, todo, pad, least=16):
-    """Fresh contexts (no cache yet: different questions behind one instruction) share their longest
-    common prefix: computed once, it becomes their starting cache."""
+    """Fresh contexts (no cache yet: different questions behind one instruction) share their
+    longest common prefix: computed once, it becomes their starting cache."""
     fresh = [ctx for ctx, eps in todo.items() if eps[0][1] is None]
     if len(fresh) < 2:
         return
@@ -356,8 +358,8 @@ def _prefill_bucket(model, bucket, pad):
 # --- the decode loop: rows in slots of a preallocated cache, read back every few steps ---
 def _start(episodes, r):
     """A waiting row: tracking its cache's own tokens when the cache already covers its whole
-    context (a branch from a longer episode), else (row, dedup key, entry, n cached, next token) for
-    a slot."""
+    context (a branch from a longer episode), else (row, dedup key, entry, n cached, next token)
+    for a slot."""
     entry, m = episodes[r.i]._kv, len(r.ctx)
     if entry.hidden is not None and len(entry.ids) >= m and entry.ids[m - 1] == r.ctx[-1]:
         r.track = (entry, m)  # _prefill checked the first m - 1 tokens
@@ -367,14 +369,14 @@ def _start(episodes, r):
 
 def _sample(proto, device) -> dict:
     """keyed_draw's settings."""
-    return dict(temperature=proto.temperature, top_k=proto.top_k, top_p=proto.top_p, fused=_fused(
-        proto, device))
+    return dict(temperature=proto.temperature, top_k=proto.top_k, top_p=proto.top_p,
+                fused=_fused(proto, device))
 
 
 def _fused(proto, device) -> bool:
-    """The compiled draw where it pays: on CUDA. On the CPU it is 2-4x faster per draw after an 8-10
-    s compile (RESULTS.md), which the short CPU runs (tests, the CLIs) do not recover, so the CPU
-    keeps the eager reference."""
+    """The compiled draw where it pays: on CUDA. On the CPU it is 2-4x faster per draw after an
+    8-10 s compile (RESULTS.md), which the short CPU runs (tests, the CLIs) do not recover, so the
+    CPU keeps the eager reference."""
     return proto.fused_sampler and device.type == "cuda"
 
 
@@ -386,21 +388,18 @@ def _finish(episodes, gens, r, stop, entry):
 def _track(model, episodes, rows, proto, rule, gens) -> list:
     """Rows whose tokens repeat their cache's own (a twin's shared first tokens, a self-twin) read
     their logits off the stored hidden states through the LM head, several positions per read-back
-    (1, 2, 4, ... as a row keeps repeating): drawn ahead, kept up to the first token that differs or
-    stops. Returns the rows that diverged, as slot requests (row, dedup key, entry, n cached, next
-    token)."""
+    (1, 2, 4, ... as a row keeps repeating): drawn ahead, kept up to the first token that differs
+    or stops. Returns the rows that diverged, as slot requests
+    (row, dedup key, entry, n cached, next token)."""
     diverged, active, ahead = [], rows, 1
     vocab = model.get_output_embeddings().weight.shape[0]
     while active:
         # (N, V) float32 logits stay <= 256 MB
         ahead = max(1, min(ahead, (1 << 26) // (vocab * len(active))))
-        spans = [
-            min(ahead,
-                len(r.track[0].ids) - r.track[1] + 1, r.budget - len(r.ids)) for r in active
-        ]
-        states = torch.cat([
-            r.track[0].hidden[r.track[1] - 1:r.track[1] - 1 + k] for r, k in zip(active, spans)
-        ])
+        spans = [min(ahead, len(r.track[0].ids) - r.track[1] + 1, r.budget - len(r.ids))
+                 for r in active]
+        states = torch.cat([r.track[0].hidden[r.track[1] - 1:r.track[1] - 1 + k]
+                            for r, k in zip(active, spans)])
         # draw j of a row, had it drawn its cache's next j tokens
         drawn_at = [x for r, k in zip(active, spans)
                     for x in noise_ahead(r, r.track[0].ids[r.track[1]:r.track[1] + k - 1])]
@@ -444,8 +443,8 @@ _DECODERS = weakref.WeakKeyDictionary()  # model -> {"cache": SlotCache, setting
 
 
 def kv_dtype(model):
-    """The dtype the model's attention reads keys and values in: the autocast dtype when autocast is
-    on (attention casts to it, so storing them in it changes nothing), else the model's own."""
+    """The dtype the model's attention reads keys and values in: the autocast dtype when autocast
+    is on (attention casts to it, so storing them in it changes nothing), else the model's own."""
     dev = model.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else model.dtype
 
@@ -457,13 +456,13 @@ def _decoder(model, proto, rule, slots: int, length: int):
     held = _DECODERS.setdefault(model, {})
     dtype, hidden = kv_dtype(model), _can_track(model)
     cache = held.get("cache")
-    if cache is None or cache.slots < slots or cache.length < length or (
-            cache.kv_dtype, cache.hid is not None) != (dtype, hidden):
+    if (cache is None or cache.slots < slots or cache.length < length
+            or (cache.kv_dtype, cache.hid is not None) != (dtype, hidden)):
         # the old cache goes before the new one is allocated: no doubling (nor may a local hold it)
         held.clear()
         cache = None
-        held["cache"] = cache = kvcache.SlotCache(model.config, slots, length, dtype, model.device,
-                                                  hidden)
+        held["cache"] = cache = kvcache.SlotCache(model.config, slots, length, dtype,
+                                                  model.device, hidden)
     sample = _sample(proto, model.device)
     key = (slots, rule, proto.sync_every, proto.cuda_graphs, proto.line_keys,
            tuple(sorted(sample.items())))
@@ -488,20 +487,21 @@ def _cache_length(model, proto, queue) -> int:
 
 
 def free_cache(model):
-    """Drop the model's slot cache and decoders (and their CUDA graphs); the next call allocates
-    again."""
+    """Drop the model's slot cache and decoders (and their CUDA graphs); the next call
+    allocates again."""
     _DECODERS.pop(model, None)
 
 
 class _Slots:
     """The host's half of the decode loop: which row holds which slot and what it has drawn, read
     back from the Decoder's records every few steps. Rows join free slots (lowest first; rows with
-    one context share their first step, then fork by copying it), leave the slot the read-back after
-    they stop (their positions copied out as the episode's KVEntry) and, once nobody waits, the top
-    rows move down into the holes, so the step runs on a prefix."""
+    one context share their first step, then fork by copying it), leave the slot the read-back
+    after they stop (their positions copied out as the episode's KVEntry) and, once nobody waits,
+    the top rows move down into the holes, so the step runs on a prefix."""
 
     def __init__(self, dec, rule, episodes, gens, fixed: bool):
-        self.dec, self.cache, self.rule, self.episodes, self.gens = dec, dec.cache, rule, episodes, gens
+        (self.dec, self.cache, self.rule,
+         self.episodes, self.gens) = dec, dec.cache, rule, episodes, gens
         # per slot: its row, its positions at the read-back
         self.rows, self.pos = [None] * dec.slots, [0] * dec.slots
         self.free, self.forks, self.since = list(range(dec.slots)), [], 0
@@ -516,8 +516,8 @@ class _Slots:
             self.step()
             occupied = sum(r is not None for r in self.rows)
             stopped = self.dec.stopped_so_far()
-            if self.since == self.dec.ring or stopped >= occupied or (queue and
-                                                                      stopped >= self.eager_at):
+            if (self.since == self.dec.ring or stopped >= occupied
+                    or (queue and stopped >= self.eager_at)):
                 self.read_back()
                 if not queue:
                     self.compact()
@@ -543,14 +543,14 @@ class _Slots:
                 _count(copied=self.cache.copy(s, entry, n) if n else 0)
         # each row's next draw: key, position, ban (section 11)
         nxt = [noise(item[0]) for item in order]
-        self.dec.set(slots, tok=[item[4] for item in order], pos=[item[3] for item in order], key=[
-            _signed(key) for key, _, _ in nxt
-        ], npos=[pos for _, pos, _ in nxt], ban=[ban for _, _, ban in nxt], line=[
-            item[0].line for item in order
-        ], turn=[_signed(item[0].key) for item in order], step=[len(item[0].ids) for item in order],
-                     budget=[item[0].budget for item in order], live=[True] * len(order), sstate=[
-                         self.rule.state(item[0].ids) for item in order
-                     ], src=[lead[item[1]] for item in order])
+        self.dec.set(slots, tok=[item[4] for item in order], pos=[item[3] for item in order],
+                     key=[_signed(key) for key, _, _ in nxt], npos=[pos for _, pos, _ in nxt],
+                     ban=[ban for _, _, ban in nxt], line=[item[0].line for item in order],
+                     turn=[_signed(item[0].key) for item in order],
+                     step=[len(item[0].ids) for item in order],
+                     budget=[item[0].budget for item in order], live=[True] * len(order),
+                     sstate=[self.rule.state(item[0].ids) for item in order],
+                     src=[lead[item[1]] for item in order])
 
     def step(self):
         occupied = [s for s, r in enumerate(self.rows) if r is not None]
@@ -575,8 +575,8 @@ class _Slots:
 
     def read_back(self):
         """Every row's tokens since the last read-back, TurnStopper's rule on each (exact: the
-        device only decides when a row freezes), finished rows out, rows the device froze without a
-        stop thawed."""
+        device only decides when a row freezes), finished rows out, rows the device froze without
+        a stop thawed."""
         rec = self.dec.read(self.since,
                             max(s for s, r in enumerate(self.rows) if r is not None) + 1).numpy()
         _count(syncs=1, live_steps=int(rec[:, 3].sum()) if METER is not None else 0)
@@ -612,10 +612,10 @@ class _Slots:
             self.dec.set(thaw, live=[True] * len(thaw))
 
     def entry(self, s: int, r):
-        """A stopped row's KVEntry: its context and every sampled token but the last, copied out of
-        its slot. DEVIATION P3: the entry lives as long as the episode holds it (twins need it after
-        the rollout; the trainer drops it once nothing will branch from it); at 3B 36 KiB per token
-        in bf16 (+ 4 KiB of hidden state), no host offload (memory.json)."""
+        """A stopped row's KVEntry: its context and every sampled token but the last, copied out
+        of its slot. DEVIATION P3: the entry lives as long as the episode holds it (twins need it
+        after the rollout; the trainer drops it once nothing will branch from it); at 3B 36 KiB per
+        token in bf16 (+ 4 KiB of hidden state), no host offload (memory.json)."""
         # ctx holds the given tokens already
         n, cache = len(r.ctx) + len(r.ids) - r.given - 1, self.cache
         _count(copied=n * cache.position_bytes())
@@ -624,8 +624,8 @@ class _Slots:
                        None if cache.hid is None else cache.hid[s, :n].clone())
 
     def compact(self):
-        """Move the top rows down into the holes (their own positions only), so the step runs on a
-        shorter prefix."""
+        """Move the top rows down into the holes (their own positions only), so the step runs on
+        a shorter prefix."""
         moves = []
         self.free.sort()
         while self.free:
@@ -644,12 +644,12 @@ class _Slots:
 
 
 def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
-    """Continuous batching: at most gen_batch_size rows decode together, each in its own slot of a
-    preallocated cache; a row leaves its slot at the first read-back after it stops (its cache kept
-    as its episode's KVEntry) and a waiting row takes the slot. Rows with one context share their
-    first step; a row whose tokens repeat its cache's own (a twin's first tokens) runs no model
-    position until it diverges (_track). DEVIATION P5: slots refill within one turn's call only;
-    turns stay a barrier (retrieval is batched per turn)."""
+    """Continuous batching: at most gen_batch_size rows decode together, each in its own slot of
+    a preallocated cache; a row leaves its slot at the first read-back after it stops (its cache
+    kept as its episode's KVEntry) and a waiting row takes the slot. Rows with one context share
+    their first step; a row whose tokens repeat its cache's own (a twin's first tokens) runs no
+    model position until it diverges (_track). DEVIATION P5: slots refill within one turn's call
+    only; turns stay a barrier (retrieval is batched per turn)."""
     # DEVIATION P6: the keyed draw (the processor's own: same noise, same law) runs in this loop
     # rather than inside model.generate (DESIGN.md 4), which can neither drop and refill rows nor
     # start from kept caches. DEVIATION P1: the logits come from cached keys/values, not a full
@@ -672,8 +672,8 @@ def _decode(model, tokenizer, episodes, rows, proto, eos) -> list:
 
 
 def _generate_cached(model, tokenizer, episodes, rows, proto) -> list:
-    """generate_turn with the cached engine (same tokens as _generate_chunk: keyed noise, same stop
-    rule)."""
+    """generate_turn with the cached engine (same tokens as _generate_chunk: keyed noise, same
+    stop rule)."""
     eos, pad = _special_ids(model, tokenizer)
     # similar cache widths decode together
     order = sorted(range(len(episodes)), key=lambda i: len(rows[i].ctx))

@@ -1,22 +1,22 @@
 """The decode cache: one preallocated KV cache whose slots the decode rows own, written in place,
-and the decode step over it with fixed shapes, so a GPU can replay it as a CUDA graph (DESIGN.md
-section 11).
+and the decode step over it with fixed shapes, so a GPU can replay it as a CUDA graph
+(DESIGN.md section 11).
 
 SlotCache holds keys and values (layers, slots, kv heads, length, head dim) in one dtype and, for
 models whose logits are the LM head of the final norm, the final hidden state at every position
-(slots, length, hidden). Slot s holds one row's sequence at positions 0..pos[s] - 1 (position =
-index), so a step writes one position per row in place and attends through a mask (key j visible iff
-j <= pos): nothing is concatenated, and rows join, fork, move or leave by copying their own
-positions only. cache_bytes is its size, for the memory ledger.
+(slots, length, hidden). Slot s holds one row's sequence at positions 0..pos[s] - 1
+(position = index), so a step writes one position per row in place and attends through a mask
+(key j visible iff j <= pos): nothing is concatenated, and rows join, fork, move or leave by
+copying their own positions only. cache_bytes is its size, for the memory ledger.
 
 Decoder is the device half of the decode loop: per-slot state (next token, position, turn key,
 position in the turn, budget, live flag, stop-automaton state), the step (forward, keyed draw, stop
-decision as table look-ups) and a ring of the last steps' records that the host reads back every few
-steps, not every token. On CUDA with graphs=True each (rows, width) shape is run once eagerly, then
-captured and replayed.
+decision as table look-ups) and a ring of the last steps' records that the host reads back every
+few steps, not every token. On CUDA with graphs=True each (rows, width) shape is run once eagerly,
+then captured and replayed.
 
-It knows no tokenizer, episode or stop string: generation/engine.py builds the tables, chooses which
-row lives in which slot and reads the records.
+It knows no tokenizer, episode or stop string: generation/engine.py builds the tables, chooses
+which row lives in which slot and reads the records.
 
 Deviation (DESIGN.md section 13; `# DEVIATION P8:` where it acts):
   P8. On CUDA in bf16 a row's logits depend, at rounding level, on the step's shape (graph or eager,
@@ -40,8 +40,8 @@ def cache_bytes(slots: int, length: int, config, dtype, hidden: bool = True) -> 
     """Bytes of a SlotCache: keys and values of `slots` rows of `length` positions for a model
     `config` in `dtype`, plus the final hidden states when hidden (rows that read logits off stored
     states need them). The engine allocates length = max_context + 1 (a stopped row writes its
-    unused next position). At Qwen2.5-3B, 128 slots, 4097 positions, bf16: 19.3 GB of keys/values +
-    2.1 GB of hidden states."""
+    unused next position). At Qwen2.5-3B, 128 slots, 4097 positions, bf16: 19.3 GB of
+    keys/values + 2.1 GB of hidden states."""
     layers, kv_heads, head_dim = _kv_shape(config)
     size = torch.empty((), dtype=dtype).element_size()
     per_position = 2 * layers * kv_heads * head_dim + (config.hidden_size if hidden else 0)
@@ -58,8 +58,8 @@ class SlotCache:
         self.k = torch.zeros((layers, slots, kv_heads, length, head_dim), dtype=dtype,
                              device=device)
         self.v = torch.zeros_like(self.k)
-        self.hid = torch.zeros(
-            (slots, length, config.hidden_size), dtype=dtype, device=device) if hidden else None
+        self.hid = (torch.zeros((slots, length, config.hidden_size), dtype=dtype, device=device)
+                    if hidden else None)
         # no `dtype` attribute: accelerate's mixed-precision forward wrapper casts every output with
         # one (the cache is returned among the model's outputs) as if it were a tensor
         self.slots, self.length, self.kv_dtype = slots, length, dtype
@@ -71,23 +71,22 @@ class SlotCache:
                    if t is not None)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """(n, H, 1, D) new keys/values -> all `width` cached ones of the n rows, (n, H, width, D)
-        views."""
+        """(n, H, 1, D) new keys/values -> all `width` cached ones of the n rows,
+        (n, H, width, D) views."""
         k, v = self.k[layer_idx, :self.n], self.v[layer_idx, :self.n]
         k[self.rows, :, self.pos] = key_states[:, :, 0].to(self.kv_dtype)
         v[self.rows, :, self.pos] = value_states[:, :, 0].to(self.kv_dtype)
         return k[:, :, :self.width], v[:, :, :self.width]
 
     def copy(self, dst: int, src, n: int):
-        """Slot dst's first n positions from src: a slot index, or a KVEntry (k, v (layers, H, >= n,
-        D), hidden)."""
+        """Slot dst's first n positions from src: a slot index, or a KVEntry
+        (k, v (layers, H, >= n, D), hidden)."""
         if isinstance(src, int):
-            k, v, hid = self.k[:, src, :, :n], self.v[:, src, :, :
-                                                      n], None if self.hid is None else self.hid[
-                                                          src, :n]
+            k, v, hid = (self.k[:, src, :, :n], self.v[:, src, :, :n],
+                         None if self.hid is None else self.hid[src, :n])
         else:
-            k, v, hid = src.k[:, :, :n], src.v[:, :, :
-                                               n], None if src.hidden is None else src.hidden[:n]
+            k, v, hid = (src.k[:, :, :n], src.v[:, :, :n],
+                         None if src.hidden is None else src.hidden[:n])
         self.k[:, dst, :, :n].copy_(k)
         self.v[:, dst, :, :n].copy_(v)
         if self.hid is not None and hid is not None:
@@ -95,8 +94,8 @@ class SlotCache:
         return n * self.position_bytes()
 
     def position_bytes(self) -> int:
-        """Bytes of one position of one slot (keys and values of every layer, and the hidden state).
-        """
+        """Bytes of one position of one slot (keys and values of every layer, and the hidden
+        state)."""
         per = self.k[:, 0, :, 0].numel() * 2 + (0 if self.hid is None else self.hid.shape[-1])
         return per * self.k.element_size()
 
@@ -129,15 +128,16 @@ class Decoder:
 
     def __init__(self, cache: SlotCache, slots: int, forward, tables, sample: dict, ring: int,
                  graphs: bool, impl: str, newline=None):
-        self.cache, self.slots, self.forward, self.sample, self.ring = cache, slots, forward, sample, ring
+        (self.cache, self.slots, self.forward,
+         self.sample, self.ring) = cache, slots, forward, sample, ring
         # newline: (V,) bool on the device, or None (the group reading)
         self.impl, self.newline = impl, newline
         self.next_state, self.hit, self.is_eos = tables
         self.vocab = self.is_eos.shape[0]
         dev, s = cache.k.device, slots
         zeros = lambda dtype=torch.long: torch.zeros(s, dtype=dtype, device=dev)  # noqa: E731
-        self.tok, self.pos, self.key, self.npos, self.turn, self.step, self.budget, self.sstate, self.line = (
-            zeros() for _ in range(9))
+        (self.tok, self.pos, self.key, self.npos, self.turn, self.step, self.budget, self.sstate,
+         self.line) = (zeros() for _ in range(9))
         self.ban = zeros() - 1
         # some slot's next draw has a ban: the step masks it (a step of its own shape)
         self.banning = False
@@ -158,8 +158,8 @@ class Decoder:
             self._events = [torch.cuda.Event() for _ in range(ring)]
 
     def set(self, slots: list, **values):
-        """Host writes of slot state: values name -> list (one per slot), one host-to-device copy
-        each."""
+        """Host writes of slot state: values name -> list (one per slot), one host-to-device
+        copy each."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.tok.device)
         for name, vals in values.items():
             buf = getattr(self, name)
@@ -208,9 +208,8 @@ class Decoder:
         cache.n, cache.width, cache.pos = n_fwd, width, self.pos[:n_fwd]
         cache.rows = self.ar[:n_fwd]
         mask = attention_mask(cache.pos, width, self.impl, cache.kv_dtype)
-        # (n_fwd, V) float32,
+        # logits (n_fwd, V) float32, hidden (n_fwd, 1, hidden) or None
         logits, hidden = self.forward(self.tok[:n_fwd, None], mask, cache.pos[:, None], cache)
-        # (n_fwd, 1, hidden) or None
         if hidden is not None and cache.hid is not None:
             cache.hid[cache.rows, cache.pos] = hidden[:, 0].to(cache.kv_dtype)
         live = self.live[:n]
@@ -220,13 +219,8 @@ class Decoder:
             ban=self.ban[:n] if self.banning else None, **self.sample)
         cell = self.sstate[:n] * self.vocab + token
         stop = live & (self.hit[cell] | self.is_eos[token] | (self.step[:n] + 1 >= self.budget[:n]))
-        record = torch.stack([
-            token.double(),
-            logprob.double(),
-            entropy.double(),
-            live.double(),
-            stop.double()
-        ])
+        record = torch.stack([token.double(), logprob.double(), entropy.double(), live.double(),
+                              stop.double()])
         self.rec[:, :, :n].index_copy_(0, self.t.view(1), record[None])
         self.t.add_(1)
         self.stopped.add_(stop.sum())
@@ -270,8 +264,8 @@ class Decoder:
         self.src.index_copy_(0, dst, dst)
 
     def stopped_so_far(self) -> int:
-        """Rows stopped since the last read-back, as far as the host can know without waiting: exact
-        on the CPU; on CUDA the count as of the newest step the device has finished (copied
+        """Rows stopped since the last read-back, as far as the host can know without waiting:
+        exact on the CPU; on CUDA the count as of the newest step the device has finished (copied
         asynchronously after each step)."""
         if self.tok.device.type != "cuda":
             return int(self.stopped)
@@ -281,8 +275,8 @@ class Decoder:
         return self._seen
 
     def read(self, steps: int, n: int):
-        """(steps, 5, n) float64 records of the last `steps` steps of slots [0, n), on the host (the
-        one sync), and a fresh ring."""
+        """(steps, 5, n) float64 records of the last `steps` steps of slots [0, n), on the host
+        (the one sync), and a fresh ring."""
         out = self.rec[:steps, :, :n].cpu()
         self.t.zero_()
         self.stopped.zero_()

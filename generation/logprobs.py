@@ -1,18 +1,19 @@
-"""Memory-bounded token log-probs of a causal LM: the policy loss's log pi and entropy without (B,
-L, V) tensors.
+"""Memory-bounded token log-probs of a causal LM: the policy loss's log pi and entropy without
+(B, L, V) tensors.
 
 Why a file of its own: the trainer's update, the old-policy and reference passes and the benchmarks
 all need the same computation, and it is a concept of its own (how to get log softmax(W h / T)
 without materialising it).
 
-    log pi(x_{k+1} | x_<=k) = (W h_k)[x_{k+1}] / T - logsumexp_v (W h_k)_v / T,   H_k = lse_k - sum_v p_v (W h_k)_v / T
+    log pi(x_{k+1} | x_<=k) = (W h_k)[x_{k+1}] / T - logsumexp_v (W h_k)_v / T,
+    H_k = lse_k - sum_v p_v (W h_k)_v / T
 
 The transformer body runs once (its logits kept for one position only: logits_to_keep=1); the LM
 head then runs on at most `chunk_elements / V` selected positions at a time, so the extra float32
-memory is a few (chunk, V) blocks (~64 MB each by default) instead of (B, L, V) logits, log-softmax,
-exp and product (~20 GB each at 8 x 4096 x 151,936). With gradients each chunk is checkpointed: its
-(chunk, V) block is recomputed in the backward pass rather than kept. Only the positions asked for
-(the loss mask in the update) go through the head.
+memory is a few (chunk, V) blocks (~64 MB each by default) instead of (B, L, V) logits,
+log-softmax, exp and product (~20 GB each at 8 x 4096 x 151,936). With gradients each chunk is
+checkpointed: its (chunk, V) block is recomputed in the backward pass rather than kept. Only the
+positions asked for (the loss mask in the update) go through the head.
 
 `token_logprobs_rows` is the plain teacher-forced pass over short token rows that some baselines
 take (IGPO, CRAFT).
@@ -39,8 +40,8 @@ def final_hidden(model, input_ids, attention_mask):
     through a pass without gradients. No KV cache is built (use_cache=False: a cache of the whole
     micro-batch would be made and thrown away)."""
     inner = _unwrap(model)
-    norm = getattr(inner.base_model, "norm", None) if type(inner).forward.__module__.startswith("transformers.") \
-        else None
+    norm = (getattr(inner.base_model, "norm", None)
+            if type(inner).forward.__module__.startswith("transformers.") else None)
     if norm is None:  # a model whose forward is its own: its reported last hidden state
         return model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                      logits_to_keep=1, use_cache=False).hidden_states[-1]
@@ -68,11 +69,11 @@ def _chunk_stats(head, h, targets, temperature, with_entropy):
 
 def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False,
                    positions=None, chunk_elements=CHUNK_ELEMENTS):
-    """log pi(x_{k+1} | x_<=k) at every position k, (B, L-1), and the entropy (or None); 0 where not
-    computed.
+    """log pi(x_{k+1} | x_<=k) at every position k, (B, L-1), and the entropy (or None); 0 where
+    not computed.
 
-    positions: (B, L-1) bool, the positions to compute (default: every k whose token and next token
-    are real).
+    positions: (B, L-1) bool, the positions to compute (default: every k whose token and next
+    token are real).
     """
     # (B, L-1, H): what the LM head reads
     hidden = final_hidden(model, input_ids, attention_mask)[:, :-1]
@@ -111,8 +112,8 @@ def _scatter(parts, sel, shape, like):
 
 def length_sorted_splits(lengths, rows, n_splits: int) -> list:
     """rows split into n_splits micro-batches of similar lengths (stable sort by length): little
-    padding per split. The loss is a token sum, so which rows share a micro-batch changes only float
-    rounding."""
+    padding per split. The loss is a token sum, so which rows share a micro-batch changes only
+    float rounding."""
     rows = np.asarray(rows)
     rows = rows[np.argsort(np.asarray(lengths)[rows], kind="stable")]
     return [r for r in np.array_split(rows, n_splits) if len(r)]
@@ -134,8 +135,8 @@ def check_context(batch: dict, max_context: int | None):
         b = int(lengths.argmax())
         raise ValueError(
             f"batch_logprobs: row {b} has {int(lengths[b])} tokens, past max_context={max_context} "
-            f"({int((lengths > max_context).sum())} such row(s)); over-long prompts are refused when "
-            "the QA file is loaded (eval.refuse_long_prompts)")
+            f"({int((lengths > max_context).sum())} such row(s)); over-long prompts are refused "
+            "when the QA file is loaded (eval.refuse_long_prompts)")
 
 
 @torch.no_grad()
@@ -153,8 +154,8 @@ def batch_logprobs(model, batch, temperature, micro_batch_size, with_entropy=Fal
     for rows in length_sorted_splits(lengths, np.arange(n), -(-n // micro_batch_size)):
         mb, w = trimmed(batch, rows)
         lp[rows, :w - 1], e = token_logprobs(model, mb["input_ids"], mb["attention_mask"],
-                                             temperature, with_entropy, mb["loss_mask"][:,
-                                                                                        1:].bool())
+                                             temperature, with_entropy,
+                                             mb["loss_mask"][:, 1:].bool())
         if with_entropy:
             ent[rows, :w - 1] = e
     return lp, ent
@@ -179,15 +180,14 @@ def pad_rows(rows: list, pad_id: int, device) -> tuple:
 @torch.no_grad()
 def token_logprobs_rows(model, rows: list, pad_id: int, micro: int,
                         temperature: float = 1.0) -> list:
-    """Per row (len n), the n - 1 log-probs log softmax(logits / T)[row[k + 1]] at positions k =
-    0..n-2, teacher-forced through the full LM head (rows are short: IGPO's gold-answer log-probs,
-    CRAFT's teacher log-probs)."""
+    """Per row (len n), the n - 1 log-probs log softmax(logits / T)[row[k + 1]] at positions
+    k = 0..n-2, teacher-forced through the full LM head (rows are short: IGPO's gold-answer
+    log-probs, CRAFT's teacher log-probs)."""
     ids, att = pad_rows(rows, pad_id, next(model.parameters()).device)
     out = []
     for r in micro_batches(len(rows), micro):
         logits = model(input_ids=ids[r], attention_mask=att[r]).logits[:, :-1].float() / temperature
         lp = torch.log_softmax(logits, -1).gather(-1, ids[r][:, 1:, None]).squeeze(-1)  # (b, L-1)
-        out += [
-            lp[j, :len(rows[int(b)]) - 1].cpu().numpy().astype(np.float64) for j, b in enumerate(r)
-        ]
+        out += [lp[j, :len(rows[int(b)]) - 1].cpu().numpy().astype(np.float64)
+                for j, b in enumerate(r)]
     return out

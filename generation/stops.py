@@ -35,8 +35,8 @@ class TurnStopper(StoppingCriteria):
     """
 
     def __init__(self, tokenizer, start_len: int, budgets, eos_ids, processor=None, heads=None):
-        self.tokenizer, self.start_len, self.budgets, self.processor = tokenizer, start_len, list(
-            budgets), processor
+        (self.tokenizer, self.start_len,
+         self.budgets, self.processor) = tokenizer, start_len, list(budgets), processor
         # given turn tokens before start_len
         self.heads = list(heads) if heads is not None else [0] * len(budgets)
         # generate pads finished rows when a criterion has this attribute
@@ -52,8 +52,8 @@ class TurnStopper(StoppingCriteria):
     def _has_gt(self, tok: int) -> bool:
         # ids past the tokenizer (padded embedding rows, e.g. Qwen2.5) have no text
         if tok not in self.gt:
-            self.gt[tok] = tok < len(self.tokenizer) and ">" in self.tokenizer.decode(
-                [tok], skip_special_tokens=False)
+            self.gt[tok] = (tok < len(self.tokenizer)
+                            and ">" in self.tokenizer.decode([tok], skip_special_tokens=False))
         return self.gt[tok]
 
     def _stops(self, row_ids, b: int = 0) -> bool:
@@ -92,29 +92,29 @@ _TEXTS = weakref.WeakKeyDictionary()  # tokenizer -> {vocab: [text of each id]}
 
 
 def _vocab_texts(tokenizer, vocab: int) -> list:
-    """The decoded text of every id below vocab ("" past the tokenizer: padded embedding rows have
-    no text)."""
+    """The decoded text of every id below vocab ("" past the tokenizer: padded embedding rows
+    have no text)."""
     try:
         cached = _TEXTS.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable
         cached = {}
     if vocab not in cached:
         n = min(vocab, len(tokenizer))
-        cached[vocab] = [tokenizer.decode([i], skip_special_tokens=False)
-                         for i in range(n)] + [""] * (vocab - n)
+        cached[vocab] = ([tokenizer.decode([i], skip_special_tokens=False) for i in range(n)]
+                         + [""] * (vocab - n))
     return cached[vocab]
 
 
 def stop_automaton(texts, patterns=STOP_STRINGS):
-    """(next_state (Q, V) int64, hit (Q, V) bool, states): state = the longest suffix of the turn's
-    text so far (tokens' texts concatenated) that is a proper prefix of a pattern; hit: a pattern
-    ends inside the token's text.
+    """(next_state (Q, V) int64, hit (Q, V) bool, states): state = the longest suffix of the
+    turn's text so far (tokens' texts concatenated) that is a proper prefix of a pattern; hit: a
+    pattern ends inside the token's text.
 
     A stop found in the decoded text is found here too for byte-level BPE, sentencepiece and
     word-level tokenizers (a pattern is ASCII without spaces, so decoding a sequence only adds
     spaces or replacement characters around it); the host checks every hit, and every '>' token,
-    exactly (TurnStopper's rule), so this only decides how early a row freezes, never which tokens a
-    row gets."""
+    exactly (TurnStopper's rule), so this only decides how early a row freezes, never which tokens
+    a row gets."""
     states = sorted({p[:i] for p in patterns for i in range(len(p))}, key=lambda s: (len(s), s))
     index, longest = {s: q for q, s in enumerate(states)}, max(map(len, patterns))
     # a pattern's end, starting inside a state
@@ -124,8 +124,8 @@ def stop_automaton(texts, patterns=STOP_STRINGS):
 
     def step(s):
         hit = any(p in s for p in patterns)
-        return next((index[s[-n:]]
-                     for n in range(min(len(s), longest - 1), 0, -1) if s[-n:] in index), 0), hit
+        return next((index[s[-n:]] for n in range(min(len(s), longest - 1), 0, -1)
+                     if s[-n:] in index), 0), hit
 
     nxt = np.zeros((len(states), len(texts)), dtype=np.int64)
     hits = np.zeros((len(states), len(texts)), dtype=bool)
@@ -141,8 +141,8 @@ def stop_automaton(texts, patterns=STOP_STRINGS):
 
 
 class StopRule:
-    """TurnStopper's rule for one row on the host, and its tables for the device (Decoder): the
-    automaton, and EOS."""
+    """TurnStopper's rule for one row on the host, and its tables for the device (Decoder):
+    the automaton, and EOS."""
 
     def __init__(self, tokenizer, eos, vocab: int, device):
         self.tokenizer, self.eos = tokenizer, set(eos)

@@ -1,20 +1,20 @@
-"""Learned credit estimators (DESIGN.md section 7): PPO's critic, SPA-RL's progress estimator,
-AgentPRM's PRM, each trainer class next to its formula, on the hook of methods/baselines.py
-(`Method`).
+"""Learned credit estimators (DESIGN.md section 7): PPO's critic, SPA-RL's progress
+estimator, AgentPRM's PRM, each trainer class next to its formula, on the hook of
+methods/baselines.py (`Method`).
 
 `Estimator`: a copy of the policy's transformer body with a scalar head, as Search-R1's PPO critic
 is a copy of the policy model with a value head (verl critic: AutoModelForTokenClassification,
 num_labels = 1). It scores every position of a batch (B, L) and trains with its own AdamW on a loss
 the method defines, on the step's batch, before the policy update of that step. Gradients are
 averaged over ranks before each optimizer step, so every rank holds the same estimator; its weights
-and AdamW state are saved beside every checkpoint (estimator.pt). # DEVIATION L1: the head starts at
-zero (verl: random), so the first step's values are 0 (PRM: Q = 0.5); all three estimators learn at
-estimator_lr_scale x lr (Search-R1's critic/actor ratio, 1e-5 / 1e-6; the papers' PE and PRM are
-trained offline).
+and AdamW state are saved beside every checkpoint (estimator.pt). # DEVIATION L1: the head starts
+at zero (verl: random), so the first step's values are 0 (PRM: Q = 0.5); all three estimators
+learn at estimator_lr_scale x lr (Search-R1's critic/actor ratio, 1e-5 / 1e-6; the papers' PE and
+PRM are trained offline).
 
-Besides aux_tokens (generated), each method logs aux_fwd_tokens / aux_bwd_tokens (tokens through an
-extra forward / backward pass) and time_credit (seconds, mean over ranks). Deviations L1-L3, L5-L7
-(DESIGN.md section 13).
+Besides aux_tokens (generated), each method logs aux_fwd_tokens / aux_bwd_tokens (tokens through
+an extra forward / backward pass) and time_credit (seconds, mean over ranks). Deviations L1-L3,
+L5-L7 (DESIGN.md section 13).
 """
 import copy
 import math
@@ -32,7 +32,7 @@ import twice
 from credit import as_array, group_index, grpo_advantages
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The estimator: a scalar head on a copy of the policy's body
 
 
@@ -54,8 +54,8 @@ class Scorer(torch.nn.Module):
 
 
 class Estimator:
-    """A Scorer initialised from the policy's body, its AdamW, and counters of the tokens it ran on.
-    """
+    """A Scorer initialised from the policy's body, its AdamW, and counters of the tokens it ran
+    on."""
 
     def __init__(self, policy, lr: float, weight_decay: float, device):
         body = copy.deepcopy(policy.base_model).float()
@@ -69,10 +69,8 @@ class Estimator:
     def scores(self, input_ids, attention_mask, micro: int) -> torch.Tensor:
         """(B, L) scores, micro-batched, no gradient."""
         self.net.eval()
-        out = [
-            self.net(input_ids[r], attention_mask[r])
-            for r in logprobs.micro_batches(len(input_ids), micro)
-        ]
+        out = [self.net(input_ids[r], attention_mask[r])
+               for r in logprobs.micro_batches(len(input_ids), micro)]
         self.fwd_tokens += int(attention_mask.sum())
         return torch.cat(out)
 
@@ -113,8 +111,8 @@ class Estimator:
 
 def _response_positions(episodes) -> list:
     """Per episode, the position (in collate's rows) of each turn's last sampled token: where the
-    state-action (s_t, a_t) has been read, so a scorer's output there is a function of (s_t, a_t).
-    """
+    state-action (s_t, a_t) has been read, so a scorer's output there is a function of
+    (s_t, a_t)."""
     return [[len(ep.prompt_ids) + t.end - 1 for t in ep.turns] for ep in episodes]
 
 
@@ -131,7 +129,7 @@ class _Learned(twice.Method):
         if self.est is None:
             lr = self.cfg.lr * self.cfg.estimator_lr_scale
             self.est = Estimator(run.accel.unwrap_model(run.policy), lr, self.cfg.weight_decay,
-                                            run.accel.device)
+                                 run.accel.device)
         return self.est
 
     def save(self, folder: str):
@@ -153,10 +151,9 @@ class _Learned(twice.Method):
             order = np.random.default_rng(seed).permutation(len(ids))
             for mb in np.array_split(order, cfg.mini_batches):
                 mb = torch.as_tensor(mb)
-                losses.append(
-                    self.est.fit(run.accel,
-                                 ids[mb], att[mb], lambda s, rows, mb=mb: loss_sum(s, mb[rows]),
-                                 norm(mb), cfg.micro_batch_size))
+                losses.append(self.est.fit(run.accel, ids[mb], att[mb],
+                                           lambda s, rows, mb=mb: loss_sum(s, mb[rows]),
+                                           norm(mb), cfg.micro_batch_size))
         return float(np.mean(losses))
 
     def cost(self, t0: float, accel, aux_tokens=0) -> dict:
@@ -168,17 +165,17 @@ class _Learned(twice.Method):
                 "time_credit": (time.time() - t0) / accel.num_processes}
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # PPO: a learned critic and GAE
 
 
 def gae(rewards, values, mask, gamma=1.0, lam=1.0) -> tuple:
-    """GAE (Schulman et al. 2016, Eq. 16): A_k = sum_l (gamma lam)^l delta_{k+l}, delta_k = r_k +
-    gamma V_{k+1} - V_k,
-    returns = A + V. Rows (B, L); positions with mask 0 (observation tokens) are skipped, not stepped through: the
-    next sampled token's value bootstraps the last one before an observation, and the value after
-    the last sampled token is 0. gamma = lam = 1 gives A_k = R - V_k (the sum telescopes). Returns
-    (advantages, returns), 0 off-mask."""
+    """GAE (Schulman et al. 2016, Eq. 16): A_k = sum_l (gamma lam)^l delta_{k+l},
+    delta_k = r_k + gamma V_{k+1} - V_k, returns = A + V. Rows (B, L); positions with mask 0
+    (observation tokens) are skipped, not stepped through: the next sampled token's value
+    bootstraps the last one before an observation, and the value after the last sampled token is
+    0. gamma = lam = 1 gives A_k = R - V_k (the sum telescopes). Returns (advantages, returns), 0
+    off-mask."""
     r, v, m = as_array(rewards), as_array(values), as_array(mask) > 0
     adv, ret = np.zeros(r.shape), np.zeros(r.shape)
     for b in range(len(r)):
@@ -205,13 +202,12 @@ def masked_whiten(x, mask, eps=1e-8) -> np.ndarray:
 class PPO(_Learned):
     """PPO with a learned critic (Schulman et al. 2017), as Search-R1 runs it (verl,
     algorithm.adv_estimator=gae): a critic initialised from the policy scores V at every token; GAE
-    (Schulman et al. 2016, Eq. 16) with
-    gamma = lambda = 1 over the sampled tokens (observation tokens masked and skipped), reward = the outcome on the
-    last sampled token; advantages whitened over the batch (verl masked_whiten); the critic
-    regresses the GAE returns, 0.5 (V - R)^2 token-mean (verl dp_critic), on the same batch, values
-    taken before its update. # DEVIATION L2: no value clipping (verl cliprange_value 0.5) and no
-    KL-in-reward: the KL stays a loss term (kl_coef, as for every method), so methods differ only in
-    the advantage."""
+    (Schulman et al. 2016, Eq. 16) with gamma = lambda = 1 over the sampled tokens (observation
+    tokens masked and skipped), reward = the outcome on the last sampled token; advantages whitened
+    over the batch (verl masked_whiten); the critic regresses the GAE returns, 0.5 (V - R)^2
+    token-mean (verl dp_critic), on the same batch, values taken before its update. # DEVIATION L2:
+    no value clipping (verl cliprange_value 0.5) and no KL-in-reward: the KL stays a loss term
+    (kl_coef, as for every method), so methods differ only in the advantage."""
     name = "ppo"
 
     def advantages(self, run, step, episodes, batch, proto) -> tuple:
@@ -233,8 +229,8 @@ class PPO(_Learned):
         ret_t = torch.tensor(ret, dtype=torch.float32, device=ids.device)
         m = torch.tensor(mask, dtype=torch.float32, device=ids.device)
         loss = self.train_estimator(
-            run, step, ids, att, lambda s, rows: (0.5 *
-                                                  (s[:, :-1] - ret_t[rows])**2 * m[rows]).sum(),
+            run, step, ids, att,
+            lambda s, rows: (0.5 * (s[:, :-1] - ret_t[rows])**2 * m[rows]).sum(),
             lambda rows: float(m[rows].sum().clamp(min=1)))
         out = np.zeros(adv.shape)
         # back to token layout: token k + 1's advantage sits at k + 1 (train_step shifts it)
@@ -243,7 +239,7 @@ class PPO(_Learned):
                      "value_mean": float((values * mask).sum() / max(mask.sum(), 1))}
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # SPA-RL: a progress estimator whose contributions sum to the outcome
 
 
@@ -261,8 +257,8 @@ def group_turn_normalise(values_per_episode, group_ids, eps=1e-6) -> list:
 
 def spa_rl_rewards(contributions, grounding, alpha, beta) -> np.ndarray:
     """SPA-RL (Wang et al. 2025) fused step reward r_t = alpha * c_t + beta * g_t: progress
-    contribution c_t from the learned estimator, grounding g_t = 1 if the action could be executed.
-    """
+    contribution c_t from the learned estimator, grounding g_t = 1 if the action could be
+    executed."""
     return alpha * as_array(contributions) + beta * as_array(grounding)
 
 
@@ -275,28 +271,29 @@ def spa_rl_loss(pred_contribs_per_episode, outcomes):
 
 
 class SPARL(_Learned):
-    """SPA-RL (Wang et al. 2025, "Stepwise Progress Attribution"): a progress estimator c_hat(s_t,
-    a_t) (a head on a copy of the policy, read at turn t's last token) is trained so that an
-    episode's contributions sum to its outcome, L_PE = mean_i (sum_t c_hat_t - R_i)^2 (Eq. 3;
-    spa_rl_loss); the fused step reward
-    r_t = alpha c_t + beta g_t (Eq. 5; g_t = 1 when turn t's action was a valid search or answer; alpha = 1, as
-    only beta / alpha matters after the normalisation below) replaces the sparse outcome, and its
-    discounted returns-to-go drive the update. The estimator is trained first, then scores the batch
-    (the paper's order: estimator, then RL). # DEVIATION L5: the estimator trains online on each
-    step's batch (paper: on exploration rollouts, beforehand). # DEVIATION L6: returns-to-go are
-    z-normalised over the group's turns (GRPO's baseline) instead of PPO's critic.
+    """SPA-RL (Wang et al. 2025, "Stepwise Progress Attribution"): a progress estimator
+    c_hat(s_t, a_t) (a head on a copy of the policy, read at turn t's last token) is trained so
+    that an episode's contributions sum to its outcome, L_PE = mean_i (sum_t c_hat_t - R_i)^2
+    (Eq. 3; spa_rl_loss); the fused step reward r_t = alpha c_t + beta g_t (Eq. 5; g_t = 1 when
+    turn t's action was a valid search or answer; alpha = 1, as only beta / alpha matters after
+    the normalisation below) replaces the sparse outcome, and its discounted returns-to-go drive
+    the update. The estimator is trained first, then scores the batch (the paper's order:
+    estimator, then RL). # DEVIATION L5: the estimator trains online on each step's batch (paper:
+    on exploration rollouts, beforehand). # DEVIATION L6: returns-to-go are z-normalised over the
+    group's turns (GRPO's baseline) instead of PPO's critic.
     """
     name = "spa_rl"
 
     def turn_advantages(self, run, step, episodes, proto) -> tuple:
         t0, cfg, est = time.time(), self.cfg, self.estimator(run)
         batch = rollout.collate(episodes, run.tok.pad_token_id)
-        ids, att = batch["input_ids"].to(run.accel.device), batch["attention_mask"].to(
-            run.accel.device)
+        ids, att = (batch["input_ids"].to(run.accel.device),
+                    batch["attention_mask"].to(run.accel.device))
         pos, R = _response_positions(episodes), torch.tensor([ep.reward for ep in episodes])
         loss = self.train_estimator(
-            run, step, ids, att, lambda s, rows: spa_rl_loss(
-                [s[j, pos[int(i)]] for j, i in enumerate(rows)], R[rows].to(s.device)) * len(rows),
+            run, step, ids, att,
+            lambda s, rows: spa_rl_loss([s[j, pos[int(i)]] for j, i in enumerate(rows)],
+                                        R[rows].to(s.device)) * len(rows),
             lambda rows: float(len(rows)))
         s = est.scores(ids, att, cfg.micro_batch_size).cpu().numpy()
         contrib = [s[b, pos[b]] for b in range(len(episodes))]
@@ -308,14 +305,14 @@ class SPARL(_Learned):
                      "progress_sum": float(np.mean([c.sum() for c in contrib]))}
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # AgentPRM: a process reward model on Monte Carlo targets
 
 
 def agentprm_targets(sa_keys, returns) -> np.ndarray:
-    """AgentPRM (Choudhury 2025, "Process Reward Models for LLM Agents") MC target: Q_hat(s, a) =
-    mean discounted return-to-go over every visit of the same (state, action) key; returned per
-    step."""
+    """AgentPRM (Choudhury 2025, "Process Reward Models for LLM Agents") MC target:
+    Q_hat(s, a) = mean discounted return-to-go over every visit of the same (state, action) key;
+    returned per step."""
     g, R = group_index(sa_keys), as_array(returns).reshape(-1)
     return (np.bincount(g, R) / np.bincount(g))[g]
 
@@ -327,15 +324,15 @@ def soft_bce(q_pred, q_target, eps=1e-7) -> float:
 
 
 class AgentPRM(_Learned):
-    """AgentPRM (Choudhury 2025, "Process Reward Models for LLM Agents"): a PRM Q_phi(s_t, a_t) =
-    sigmoid(head) on a copy of the policy, read at turn t's last token, trained by soft binary
-    cross-entropy (Eq. 4; soft_bce) on Monte Carlo targets Q_hat(s, a) = the mean return over every
-    visit of the same (s, a) (Eq. 3; agentprm_targets): the factual episodes plus prm_rollouts
-    continuations after each non-final turn (rollout.continue_from, keys fresh_key(ep.key, MC_Q_TAG,
-    t, k); their tokens are aux_tokens). The policy then maximises Q_phi (Eq. 5): turn t's advantage
-    is Q_phi(s_t, a_t) z-normalised over the group's turns. # DEVIATION L7: PRM and policy train
-    online, step by step, on the same stream (paper: alternating stages), and the KL anchor is the
-    frozen reference (paper: the previous policy)."""
+    """AgentPRM (Choudhury 2025, "Process Reward Models for LLM Agents"): a PRM
+    Q_phi(s_t, a_t) = sigmoid(head) on a copy of the policy, read at turn t's last token, trained
+    by soft binary cross-entropy (Eq. 4; soft_bce) on Monte Carlo targets Q_hat(s, a) = the mean
+    return over every visit of the same (s, a) (Eq. 3; agentprm_targets): the factual episodes plus
+    prm_rollouts continuations after each non-final turn (rollout.continue_from, keys
+    fresh_key(ep.key, MC_Q_TAG, t, k); their tokens are aux_tokens). The policy then maximises
+    Q_phi (Eq. 5): turn t's advantage is Q_phi(s_t, a_t) z-normalised over the group's turns.
+    # DEVIATION L7: PRM and policy train online, step by step, on the same stream (paper:
+    alternating stages), and the KL anchor is the frozen reference (paper: the previous policy)."""
     name = "agentprm"
 
     def mc_targets(self, run, episodes, proto) -> tuple:
@@ -348,8 +345,8 @@ class AgentPRM(_Learned):
         requests = [(ep, t, True, sampler.fresh_key(ep.key, sampler.MC_Q_TAG, t, k))
                     for ep in episodes for t in range(len(ep.turns) - 1)
                     for k in range(cfg.prm_rollouts)]
-        branches = rollout.continue_from(self.policy(run), run.tok, run.retriever, requests,
-                                         proto) if requests else []
+        branches = (rollout.continue_from(self.policy(run), run.tok, run.retriever, requests, proto)
+                    if requests else [])
         for (ep, t, _, _), br in zip(requests, branches):
             keys.append(
                 np.asarray(ep.prompt_ids + ep.ids[:ep.turns[t].end], dtype=np.int64).tobytes())
@@ -361,20 +358,19 @@ class AgentPRM(_Learned):
         t0, cfg, est = time.time(), self.cfg, self.estimator(run)
         targets, aux = self.mc_targets(run, episodes, proto)
         batch = rollout.collate(episodes, run.tok.pad_token_id)
-        ids, att = batch["input_ids"].to(run.accel.device), batch["attention_mask"].to(
-            run.accel.device)
+        ids, att = (batch["input_ids"].to(run.accel.device),
+                    batch["attention_mask"].to(run.accel.device))
         pos = _response_positions(episodes)
         q_hat = np.split(targets, np.cumsum([len(p) for p in pos])[:-1])
         q_hat = [torch.tensor(q, dtype=torch.float32, device=ids.device) for q in q_hat]
         bce = torch.nn.functional.binary_cross_entropy_with_logits
         loss = self.train_estimator(
-            run, step, ids, att, lambda s, rows: sum(
-                bce(s[j, pos[int(i)]], q_hat[int(i)], reduction="sum") for j, i in enumerate(rows)),
+            run, step, ids, att,
+            lambda s, rows: sum(bce(s[j, pos[int(i)]], q_hat[int(i)], reduction="sum")
+                                for j, i in enumerate(rows)),
             lambda rows: float(max(sum(len(pos[int(i)]) for i in rows), 1)))
         s = est.scores(ids, att, cfg.micro_batch_size).cpu().numpy()
         q = [1.0 / (1.0 + np.exp(-s[b, pos[b]])) for b in range(len(episodes))]
         adv = group_turn_normalise(q, baselines._group_ids(cfg, episodes), cfg.adv_eps)
-        return adv, {
-            **self.cost(t0, run.accel, aux), "estimator_loss": loss, "q_mean": float(
-                np.mean(targets))
-        }
+        return adv, {**self.cost(t0, run.accel, aux), "estimator_loss": loss,
+                     "q_mean": float(np.mean(targets))}

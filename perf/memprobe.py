@@ -206,7 +206,7 @@ OWNED = ((kvcache.SlotCache, "__init__", "decode_batch"), (kvcache.Decoder, "__i
          (engine._Slots, "admit",
           "decode_batch"), (engine, "_forward", "activations"), (engine, "_logits", "activations"),
          (kvcache.Decoder, "_step", "activations"), (logprobs, "token_logprobs", "activations"),
-         (tt, "ppo_loss", "activations"), (tt, "sampling_copy", "weights"), (torch.optim.AdamW,
+         (tt, "ppo_loss", "activations"), (weights, "sampling_copy", "weights"), (torch.optim.AdamW,
                                                                              "step", "optimizer"))
 
 

@@ -175,7 +175,7 @@ def test_the_merged_export_loads_without_peft_and_computes_the_adapted_policy(lo
     assert not any("lora" in n for n, _ in merged.named_modules()) and merged.dtype == torch.float32
     assert not os.path.exists(os.path.join(last, "policy_merged", "adapter_config.json"))
     cfg = tt.Config(**json.load(open(os.path.join(last, "run.json")))["config"])
-    adapted, tok = lora.load(cfg, os.path.join(last, "policy"), "cpu")
+    adapted, tok = replay.load_lora(cfg, os.path.join(last, "policy"), "cpu")
     base, _ = qa_eval.load_policy(cfg.model, "cpu", torch.float32)
     ids, att = logprobs.pad_rows([[5, 9, 17, 33, 2, 48, 101, 7], [4, 250, 3, 3, 60]], tok.pad_token_id, "cpu")
     with torch.no_grad():

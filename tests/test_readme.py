@@ -26,7 +26,8 @@ NOT_HERE = {  # a README command (regular expression) -> why this suite does not
     r"^python -m perf.ledger configs/": "minutes per preset; tests/test_ledger.py runs the ledger small",
     r"^python -m worlds.build --out data/(tinyworld|chains)": "a full build; tests/test_world*.py build both "
                                                               "presets at test scale through the same CLI",
-    r"^make (reproduce-3b|reproduce-7b|retriever-up|train-2nodes)( |$)": "GPUs, downloads, a cluster",
+    r"^make (reproduce-3b|reproduce-7b|retriever-up|train-2nodes)( |$)(?!DRY_RUN)": "GPUs, downloads, a "
+                                                                             "cluster",
 }
 
 
@@ -59,7 +60,8 @@ class Context:
             w = w.replace("data/tinyworld", self.world).replace("runs/demo/twice", self.run)
             w = w.replace("runs/demo/lora", self.lora).replace("runs/audit", os.path.join(self.tmp, "audit"))
             w = w.replace("data/chains", os.path.join(self.tmp, "chains"))
-            w = w.replace("step_000030", f"step_{self.last:06d}")
+            if "step_000030" in w:
+                w = w.replace("step_000030", f"step_{self.last:06d}")
             out.append(w)
         return out
 
@@ -172,7 +174,7 @@ RUNS = [  # (README command pattern, what runs it), in this order
     (r"^python retriever.py search --index data/tinyworld/index ", plain),
     (r"^python -m perf.bench_server --index data/tinyworld/index", plain_small(
         "--clients", "2", "--requests", "2", "--queries", "2", "--big", "20")),
-    (r"^python -m lab.audit --world ", plain_small("--decisions=2", "--oracle_rollouts=2", "--repeats=1",
+    (r"^python -m lab.audit --world ", plain_small("--decisions=2", "--oracle_rollouts=2", "--repeats=2",
                                                    "--vine_k=1", "--max_new_tokens=6", "--max_turns=1",
                                                    "--method_rows=", "--progress=false")),
     (r"^python -m lab.audit --rescore ", plain),

@@ -356,13 +356,13 @@ def test_make_reproduce_dry_run_prints_every_step_and_runs_nothing(tmp_path, siz
     assert proc.returncode == 0, proc.stderr
     text, run = proc.stdout, f"{runs}/qwen2.5-{size}"
     launch = f"accelerate launch --config_file configs/{accel} train_twice.py configs/qwen2.5-{size}.cfg"
-    steps = [f"worlds/data.py searchr1 --out {sr1}", f"hf download Qwen/Qwen2.5-{size.upper()}",
-             f"retrieval/server.py serve --index {sr1}/index",
+    steps = [f"-m worlds.data searchr1 --out {sr1}", f"hf download Qwen/Qwen2.5-{size.upper()}",
+             f"-m retrieval.server serve --index {sr1}/index",
              f"{launch} --out_dir={run}-grpo --retriever_url=http://127.0.0.1:8000/retrieve --omega=0",
              f"{launch} --out_dir={run}-twice --retriever_url=http://127.0.0.1:8000/retrieve",
              f"eval.py --model $policy --data {sr1}/test/$t.jsonl --retriever_url http://127.0.0.1:8000/retrieve",
              f"--out {run}-twice/eval/$t.json",
-             f"lab/report.py paper --paper {size} --out {run}-report.md GRPO={run}-grpo/eval TWICE={run}-twice/eval",
+             f"-m lab.report paper --paper {size} --out {run}-report.md GRPO={run}-grpo/eval TWICE={run}-twice/eval",
              f"kill $(cat {runs}/retriever.pid)"]
     at = [text.find(s) for s in steps]
     assert -1 not in at and at == sorted(at), dict(zip(steps, at))
