@@ -30,18 +30,33 @@ tWORLD  = $(call t,$(WORLD))
 
 .PHONY: install test test-slow world index demo demo-compare compare-methods benchmark benchmark-report audit eval
 
+# install: requirements.txt (CPU, faiss-cpu), all that make demo needs. install-dev: the tests'
+# extras on top (requirements-dev.txt: pytest, W&B, the benchmarks' tokenizers). install-gpu
+# (below): faiss-gpu and DeepSpeed. faiss-cpu and faiss-gpu write the same `faiss` package, so a
+# venv holds one: install-gpu uninstalls faiss-cpu first, and in a venv that install-gpu made,
+# install installs requirements-gpu.txt.
+.PHONY: install-dev
 install: $(tVENV)/.installed
+install-dev: $(tVENV)/.installed-dev
 
-$(tVENV)/.installed: requirements.txt
+$(tVENV)/.installed: requirements.txt requirements-base.txt
 	$(qPYTHON) -m venv $(qVENV)
 	$(qPY) -m pip install --upgrade pip
-	$(qPY) -m pip install -r requirements.txt
+	if [ -f $(qVENV)/.installed-gpu ]; then req=requirements-gpu.txt; else req=requirements.txt; fi; \
+	  $(qPY) -m pip install -r $$req
 	touch $(call q,$@)
 
-test: install
-	$(qPY) -m pytest -q -m "not slow" tests
+$(tVENV)/.installed-dev: requirements-dev.txt $(tVENV)/.installed
+	$(qPY) -m pip install -r requirements-dev.txt
+	touch $(call q,$@)
 
-test-slow: install
+# The suite runs on up to 4 cores (pytest-xdist; each worker builds its own test-scale world and
+# loads torch, so more workers cost memory for little gain). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+test: install install-dev
+	$(qPY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
+
+test-slow: install install-dev
 	$(qPY) -m pytest -q -m slow tests
 
 # A built-in world: corpus, questions, tokenizer, index and warm-start policy (DESIGN.md section 9). PRESET=tiny (the
@@ -196,10 +211,11 @@ reproduce: install install-gpu $(tSR1)/manifest.json reproduce-models
 	$(MAKE) --no-print-directory retriever-down
 	@echo "== done:" $(qRUN)-report.md "(GRPO vs TWICE per test set and average, next to the paper's averages)"
 
-# DeepSpeed for both presets' ZeRO-2 (requirements-gpu.txt)
+# faiss-gpu, and DeepSpeed for both presets' ZeRO-2 (requirements-gpu.txt)
 install-gpu: $(tVENV)/.installed-gpu
 
-$(tVENV)/.installed-gpu: requirements-gpu.txt $(tVENV)/.installed
+$(tVENV)/.installed-gpu: requirements-gpu.txt requirements-base.txt $(tVENV)/.installed
+	$(qPY) -m pip uninstall -y faiss-cpu
 	$(qPY) -m pip install -r requirements-gpu.txt
 	touch $(call q,$@)
 

@@ -67,7 +67,8 @@ def _check_row(row) -> dict:
     # `datasets` fills a key that a row lacks with None
     missing = [k for k in QA_FIELDS if row.get(k) is None]
     if missing:
-        raise ValueError(f"missing field(s) {missing}; a QA row needs {list(QA_FIELDS)}")
+        raise ValueError(f"missing field(s) {missing}; a QA row needs {list(QA_FIELDS)}; "
+                         "convert Search-R1 or FlashRAG files: python -m worlds.data convert")
     gold = row["golden_answers"]
     if hasattr(gold, "tolist"):  # parquet list columns may arrive as numpy arrays
         gold = gold.tolist()
@@ -241,13 +242,13 @@ def refuse_long_prompts(rows: list, tokenizer, max_context: int, max_new_tokens:
 def em_table(per_source: dict) -> str:
     """Markdown table: one row per data source plus the unweighted average over sources (Search-R1's
     'Avg.')."""
-    lines = ["| dataset | n | EM |", "|---|---:|---:|"]
+    lines = ["| dataset | n | EM |", "|---|---:|---:|"]  # EM a fraction in [0, 1], as training's
     for name, (n, em) in per_source.items():
-        lines.append(f"| {name} | {n} | {100 * em:.1f} |")
+        lines.append(f"| {name} | {n} | {em:.3f} |")
     if per_source:
         avg = sum(em for _, em in per_source.values()) / len(per_source)
         lines.append(
-            f"| **average** | {sum(n for n, _ in per_source.values())} | **{100 * avg:.1f}** |")
+            f"| **average** | {sum(n for n, _ in per_source.values())} | **{avg:.3f}** |")
     return "\n".join(lines)
 
 
@@ -278,8 +279,9 @@ def evaluate(model, tokenizer, retriever, rows: list, proto, chunk: int = 256,
 
 
 def evaluate_on_ranks(accel, model, tokenizer, retriever, rows: list, proto, gather_list) -> dict:
-    """evaluate() with rows sharded over accelerate ranks -> {"eval_em": mean over sources, "eval_em/<source>": EM}.
-    gather_list(accel, items) concatenates every rank's list in rank order."""
+    """evaluate() with rows sharded over accelerate ranks -> {"eval_em": mean over sources,
+    "eval_em/<source>": EM}, EM a fraction in [0, 1]. gather_list(accel, items) concatenates every
+    rank's list in rank order."""
     shard = list(range(accel.process_index, len(rows), accel.num_processes))
     eps = evaluate(model, tokenizer, retriever, [rows[i] for i in shard], proto,
                    progress=accel.is_main_process)
@@ -293,11 +295,14 @@ def load_policy(path: str, device=None, dtype=None):
     """(model, tokenizer) from an HF folder or hub id; refuses a tokenizer whose ids the model
     cannot embed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path)
     # on a GPU each tensor goes from the file straight to the device: no whole host copy per rank (8
     # ranks of 7B in fp32 held ~245 GB of host RAM at once)
     direct = {"device_map": str(device)} if str(device or "cpu").startswith("cuda") else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **direct)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **direct)
+    except OSError as e:  # the hub's answer for an id it does not know, a file that is missing
+        raise ValueError(f"model {path}: {str(e).splitlines()[0]}") from None
     n_embed = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > n_embed:
         raise ValueError(
@@ -306,6 +311,62 @@ def load_policy(path: str, device=None, dtype=None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device or "cpu").eval(), tokenizer
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a model on the Hugging Face hub: org/name
+DATA_FIELDS = ("train_data", "eval_data", "data")  # the scripts' QA file fields (comma-separated)
+
+
+def check_inputs(cfg):
+    """Every path a script reads, checked before anything loads (a model takes 20 s on the tiny
+    world, minutes at 3B): each QA file of DATA_FIELDS exists, the index folder holds its files
+    (unless retriever_url replaces it), the model is a model folder or a hub id. cfg: any script's
+    config with some of these fields (train_twice.py, eval.py, lab/audit.py). One ValueError naming
+    every field and path at fault."""
+    from retrieval.index import META_FILE, OFFSETS_FILE
+    bad = [f"{field} {path}: no such file" for field in DATA_FIELDS
+           for path in filter(None, getattr(cfg, field, "").split(",")) if not os.path.isfile(path)]
+    index = "" if getattr(cfg, "retriever_url", "") else getattr(cfg, "index", "")
+    missing = [f for f in (META_FILE, OFFSETS_FILE) if not os.path.isfile(os.path.join(index, f))]
+    if index and not os.path.isdir(index):
+        bad.append(f"index {index}: no such folder (python retriever.py build writes one)")
+    elif index and missing:
+        bad.append(f"index {index}: not an index folder, no {' or '.join(missing)} (python "
+                   "retriever.py build writes one)")
+    model = getattr(cfg, "model", "")
+    if model and _model_problem(model):
+        bad.append(f"model {model}: {_model_problem(model)}")
+    world = getattr(cfg, "world", "")  # train_twice.py's paths default to the world's files
+    if bad and world and not os.path.isdir(world):
+        bad.insert(0, f"world {world}: no such folder (`make world` builds the tiny world there)")
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
+def _model_problem(path: str) -> str:
+    """Why `path` cannot be loaded as a policy, or '': a model folder (config.json, or a LoRA
+    adapter's adapter_config.json), or a hub id of the form org/name (in the local cache when
+    HF_HUB_OFFLINE is set)."""
+    if os.path.isdir(path):
+        if any(os.path.isfile(os.path.join(path, f)) for f in ("config.json",
+                                                               "adapter_config.json")):
+            return ""
+        inner = os.path.isdir(os.path.join(path, "policy"))
+        return "a folder without config.json" + (": a checkpoint? its policy/ holds the model"
+                                                  if inner else ", not a model folder")
+    if not HUB_ID.fullmatch(path):
+        return "no such folder (nor a hub id of the form org/name)"
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+                  for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if offline:
+        from huggingface_hub import try_to_load_from_cache
+        try:
+            cached = isinstance(try_to_load_from_cache(path, "config.json"), str)
+        except ValueError:  # not a valid repo id after all
+            cached = False
+        if not cached:
+            return "no such folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)"
+    return ""
 
 
 def load_retriever(index: str = "", url: str = ""):
@@ -364,6 +425,7 @@ def main(cfg: Config):
     import torch
     if cfg.out:
         check_writable(cfg.out)
+    check_inputs(cfg)  # the QA files, the index and the model, before anything loads
     rows = []
     for path in cfg.data.split(","):
         rows += load_qa(path)[:cfg.limit or None]

@@ -48,7 +48,7 @@ import rollout
 import sampler
 import twice
 from generation import engine, logprobs
-from infra import checkpoint, config, lora, weights
+from infra import adamw, checkpoint, config, console, lora, weights
 
 
 @dataclass
@@ -403,6 +403,7 @@ def setup(cfg: Config) -> Run:
     master partition), frozen reference, optimizer, retriever, data."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
+    qa_eval.check_inputs(cfg)  # data, index and model paths, before anything loads
     n_micro = micro_batches(cfg)
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=cfg.collective_timeout_h))
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", kwargs_handlers=[timeout],
@@ -431,8 +432,8 @@ def setup(cfg: Config) -> Run:
         accel.register_save_state_pre_hook(lora.adapter_only)  # trainer/: the adapters alone
     else:
         ref = reference_model(cfg, accel.device)
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=cfg.weight_decay)
+    opt = adamw.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                      weight_decay=cfg.weight_decay)  # CPU: the same bits on every CPU
     policy, opt = accel.prepare(policy, opt)
     rows = qa_eval.load_qa(cfg.train_data)
     qa_eval.refuse_long_prompts(rows, tok, cfg.max_context, cfg.max_new_tokens, cfg.train_data)
@@ -458,9 +459,11 @@ def train(cfg: Config):
     eval_rows = [r for path in cfg.eval_data.split(",") if path for r in qa_eval.load_qa(path)]
     start = checkpoint.load(cfg, run) if cfg.resume else 0
     trackers = checkpoint.start_log(cfg, start) if accel.is_main_process else []
+    if accel.is_main_process:  # the fields a user sets; every field is in out_dir/config.json
+        print(console.config_line(cfg, start), flush=True)
     eval_subset = eval_rows[:cfg.eval_size] if cfg.eval_size else eval_rows
     done, mark = start, -1  # mark: multiples of eval_tokens evaluated so far (-1: none yet)
-    for step in range(start, cfg.steps):
+    for step in range(start, cfg.steps):  # step N starts from N updates (checkpoint.py)
         if cfg.token_budget and run.tokens >= cfg.token_budget:
             break
         metrics = {}
@@ -484,17 +487,10 @@ def train(cfg: Config):
     path = checkpoint.save(cfg, run, done, last=True)
     if accel.is_main_process:
         checkpoint.end_log(cfg, final, trackers)
-        em = final.get("eval_em", float("nan"))
-        print(f"final | eval_em {em:.3f} | checkpoint {path}", flush=True)
-        print(checkpoint.finish_run(cfg.out_dir), flush=True)  # learning_curve.png, the summary
+        console.finish(cfg, final, path)  # the final line, learning_curve.png, the summary table
     accel.end_training()
     return final
 
 
-if __name__ == "__main__":
-    cfg = config.cli(Config, prog="train_twice.py")
-    try:
-        main(cfg)
-    except (ValueError, FloatingPointError) as e:
-        print(f"train_twice.py: error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+if __name__ == "__main__":  # an error or Ctrl-C ends in one line (Ctrl-C: how to resume)
+    console.run_cli(main, config.cli(Config, prog="train_twice.py"), "train_twice.py")

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import os
 import re
 import sys
 
@@ -113,6 +114,8 @@ def set_value(cfg, key: str, value: str, where: str):
 
 def read_preset(cfg, path: str):
     """Apply a preset file of `key = value` lines; errors name the file and line."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such preset file (of `key = value` lines: configs/demo.cfg)")
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.split("#", 1)[0].strip()
@@ -170,9 +173,8 @@ def _flag_as_value(argv: list, types: dict):
 
 def parse(cls, argv, prog: str = "", presets: bool = True):
     """cls from presets (positional paths, in order) then the options; `--help` prints usage and
-    exits
-    0. Fields are then range-checked, after cfg.resolve() (when defined) has filled derived blanks.
-       """
+    exits 0. Fields are then range-checked, after cfg.resolve() (when defined) has filled derived
+    blanks."""
     argv, types = list(argv), _types(cls)
     _flag_as_value(argv, types)
     args, rest = parser(cls, prog, presets).parse_known_args(argv)
@@ -195,7 +197,8 @@ def parse(cls, argv, prog: str = "", presets: bool = True):
 
 
 def cli(cls, argv=None, prog: str = "", presets: bool = True):
-    """parse() for a script's __main__: a bad value exits with status 2 and the message, not a traceback."""
+    """parse() for a script's __main__: a bad value exits with status 2 and the message, not a
+    traceback."""
     try:
         return parse(cls, sys.argv[1:] if argv is None else argv, prog, presets)
     except BrokenPipeError:  # `--help | head`: the reader has all it wanted

@@ -1,15 +1,15 @@
 """Replay one training episode of a run, token for token, and print it readably (`python rollout.py
 replay`).
 
-    python rollout.py replay --run runs/twice --step 12 --uid 8034712 --line 3            # the factual episode
-    python rollout.py replay --run runs/twice --step 12 --uid 8034712 --line 3 --twins    # and all its twins
-    python rollout.py replay --run runs/twice --step 12 --uid 8034712 --line 3 --twin 1   # and its twin at turn 1
+    python rollout.py replay --run runs/twice --step 12 --uid 8034712 --line 3   # the episode
+    python rollout.py replay --run runs/twice --step 12 --uid 8034712 --line 3 --twins  # its twins
+    python rollout.py replay --run runs/twice --step 12 --uid 8034712 --line 3 --twin 1  # at turn 1
 
-Which policy: step N (0-based, as metrics.jsonl and episodes.jsonl count) was rolled out by the
-policy after N updates, which checkpoint.save(cfg, run, N) writes as step_N after step N-1's update;
-step 0's is the initial model (cfg.model). Every later step changed the weights, so no other
-checkpoint holds that policy: a step without its checkpoint is refused, naming the steps that have
-one. The run's config (the checkpoint's run.json) gives the world, the retriever and the protocol;
+Which policy: step N (as the console, metrics.jsonl and episodes.jsonl count it; the one numbering
+is infra/checkpoint.py's docstring) was rolled out by the policy after N updates, which
+checkpoint.save(cfg, run, N) writes as step_N after step N-1's update; step 0's is the initial
+model (cfg.model). Every later step changed the weights, so no other checkpoint holds that policy:
+a step without its checkpoint is refused, naming the steps that have one. The run's config (the checkpoint's run.json) gives the world, the retriever and the protocol;
 the noise is counter-based (sampler.py: keys from seed, step, uid, line), so the episode comes back
 exactly as sampled.
 
@@ -43,8 +43,8 @@ from sampler import stable_id
 class Replay:
     """Replay an episode of a training run (lab/replay.py's docstring)."""
     run: str = ""                   # the run folder (its step_N checkpoints, episodes.jsonl)
-    step: int = -1                  # the step whose episode to replay (0-based, as metrics.jsonl
-    #                                 counts)
+    step: int = -1                  # the step whose episode to replay (as the console and
+    #                                 metrics.jsonl count: step N samples from checkpoint step_N)
     uid: str = ""                   # the episode's uid (episodes.jsonl), or the QA row's id
     line: int = 0                   # the line inside its group (0 .. group_size - 1)
     twin: int = -1                  # also the twins branched at this turn (-1: none)
@@ -68,10 +68,10 @@ def policy_of(run_dir: str, step: int) -> tuple:
         state = checkpoint.read_state(os.path.join(run_dir, f"step_{have[0]:06d}"))
         return state["config"]["model"], {**state, "predictor": None, "token_predictor": None}
     raise ValueError(
-        f"{run_dir}: step {step} has no checkpoint step_{step:06d} (its policy is the one after {step} "
-        f"updates; every other checkpoint holds another): checkpoints exist for steps "
-        f"{', '.join(map(str, have)) or '(none)'}; keep_checkpoints=0 and save_every=1 keep every step"
-    )
+        f"{run_dir}: step {step} has no checkpoint step_{step:06d} (its policy is the one after "
+        f"{step} updates; every other checkpoint holds another): checkpoints exist for steps "
+        f"{', '.join(map(str, have)) or '(none)'}; keep_checkpoints=0 and save_every=1 keep every "
+        "step")
 
 
 def logged(run_dir: str, step: int, uid: int, line: int):

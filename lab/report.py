@@ -2,12 +2,15 @@
 (metrics.jsonl, config.json, eval.py result files), never another module's internals.
 
 Usage:
-  python -m lab.report run runs/demo/twice                         # learning_curve.png + the before/after table
-  python -m lab.report compare runs/demo-compare/omega*-seed*      # GRPO vs TWICE table and compare.png
-  python -m lab.report methods runs/compare-methods/*-seed*        # every method at equal tokens + a PNG
-  python -m lab.report paired [--base grpo] runs/compare-methods/*-seed*   # AUC, final EM: mean +- SE, paired vs base
-  python -m lab.report paper GRPO=runs/x-grpo/eval TWICE=runs/x-twice/eval --paper 3b --out report.md   # paper's table
-  python -m lab.report coupling runs/coupling-group runs/coupling-text   # audits' coupling figures, SEs, paired
+  python -m lab.report run runs/demo/twice                    # learning_curve.png, the summary table
+  python -m lab.report compare runs/demo-compare/omega*-seed*  # a row per method, compare.png
+  python -m lab.report methods runs/compare-methods/*-seed*    # every method at equal tokens, a PNG
+  python -m lab.report paired [--base grpo] runs/compare-methods/*-seed*  # AUC, final EM vs base
+  python -m lab.report paper GRPO=runs/x-grpo/eval TWICE=runs/x-twice/eval --paper 3b --out r.md
+  python -m lab.report coupling runs/coupling-group runs/coupling-text  # audits' coupling, paired
+
+EM is a fraction in [0, 1] in every table but `paper`'s, which is in percent, as the paper's own
+figures are. `compare` and `paired` refuse runs set to different lengths (steps or token_budget).
 """
 import argparse
 import json
@@ -17,7 +20,7 @@ import sys
 
 import numpy as np
 
-from infra import checkpoint
+from infra import console
 
 
 def tokens_str(n: float) -> str:
@@ -40,19 +43,33 @@ def eval_curves(runs: list, evals: list) -> np.ndarray:
     ] for rows in runs])
 
 
+# compare's row names (method_of's, the two of the paper in capitals)
+LABELS = {"grpo": "GRPO", "twice": "TWICE", "twice-uncoupled": "TWICE uncoupled"}
+
+
 def compare_runs(run_dirs) -> str:
-    """Markdown comparison of finished runs grouped by method (GRPO: omega = 0; TWICE; independent:
-    coupling off), mean +- sd over the seeds of each group: greedy eval EM at every eval step, mean
-    sampled training reward, and generated tokens (factual + twin) relative to GRPO's. `python -m
-    lab.report compare DIR...`."""
-    groups = {}
+    """Markdown comparison of finished runs grouped by method (method_of: config.json's method, and
+    omega = 0 with method twice is GRPO; coupling off is "TWICE uncoupled"), mean +- sd over the
+    seeds of each group: greedy eval EM at every eval step, mean sampled training reward, and
+    generated tokens (factual + twin) relative to GRPO's. Runs of unequal length (steps or
+    token_budget) or evaluated at other steps are refused. `python -m lab.report compare DIR...`."""
+    groups, lengths, measured = {}, {}, {}
     for d in run_dirs:
-        cfg = json.load(open(os.path.join(d, "config.json")))
-        name = "GRPO" if cfg["omega"] == 0 else "TWICE" if cfg["coupling"] else "independent"
-        groups.setdefault(name, []).append(read_rows(d))
-    evals = sorted({
-        r["step"] for runs in groups.values() for rows in runs for r in rows if "eval_em" in r
-    })
+        cfg, rows = json.load(open(os.path.join(d, "config.json"))), read_rows(d)
+        groups.setdefault(LABELS.get(method_of(cfg), method_of(cfg)), []).append(rows)
+        lengths.setdefault(run_length(cfg), []).append(d)
+        measured[d] = [r["step"] for r in rows if "eval_em" in r]
+    if len(lengths) > 1:
+        raise SystemExit("lab/report.py compare: the runs differ in length (" + "; ".join(
+            f"{n}: {', '.join(ds)}" for n, ds in lengths.items()) + "): compare runs of the same "
+            "steps or token_budget")
+    evals = sorted({s for steps in measured.values() for s in steps})
+    for d, steps in measured.items():
+        if steps != evals:
+            raise SystemExit(
+                f"lab/report.py compare: {d} was evaluated at steps {steps}, the runs together at "
+                f"{evals}: compare runs with the same eval_every (runs evaluated by tokens: "
+                "python -m lab.report methods)")
     head = ["method", "seeds"] + [f"EM@{s}" for s in evals] + [
         "train reward", "tokens / GRPO", "twins / step", "self-twins", "shortcuts"
     ]
@@ -60,9 +77,10 @@ def compare_runs(run_dirs) -> str:
     tokens = {}
     for name, runs in groups.items():
         tokens[name] = np.mean([
-            sum(r.get("factual_tokens", 0) + r.get("twin_tokens", 0) for r in rows) for rows in runs
+            sum(r.get("factual_tokens", 0) + r.get("aux_tokens", r.get("twin_tokens", 0))
+                for r in rows) for rows in runs
         ])
-    for name in sorted(groups, key=["GRPO", "independent", "TWICE"].index):
+    for name in sorted(groups, key=lambda n: (n != "GRPO", n == "TWICE", n)):
         runs = groups[name]
         steps = [[r for r in rows if "final" not in r] for rows in runs]
         em = [mean_sd(col) for col in eval_curves(runs, evals).T]
@@ -108,7 +126,8 @@ TEST_SETS = {
     "nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA",
     "2wikimultihopqa": "2wiki", "musique": "Musique", "bamboogle": "Bamboogle"
 }
-# arXiv 2610.31544: average EM (%) over the seven sets; its per-set figures are not available to us
+# arXiv 2610.31544: average EM in percent (the paper's unit; report_table converts ours to it) over
+# the seven sets; its per-set figures are not available to us
 PAPER_AVG_EM = {"3b": {"GRPO": 37.4, "TWICE": 42.7}, "7b": {"GRPO": 42.0, "TWICE": 46.5}}
 
 
@@ -122,7 +141,9 @@ def report_table(results_jsons: dict, paper: dict = None) -> str:
     """Markdown table in the paper's layout: one row per method, EM (%) per test set and the
     unweighted average over the sets (Search-R1's "Avg."), then TWICE - GRPO style differences of
     the first two methods and the paper's averages. results_jsons: {method: [eval.py --out files, or
-    folders of them]}; paper: {method: average EM (%)}."""
+    folders of them]}; paper: {method: average EM (%)}. The one table in percent, because the
+    paper's figures are: eval.py's files hold EM as a fraction in [0, 1] (as every other table of
+    the project), multiplied by 100 here, at display."""
     per = {}
     for method, paths in results_jsons.items():
         per[method] = {}
@@ -174,11 +195,13 @@ def paper_main(argv=None):
             ap.error(f"expected METHOD=PATH, got {item!r}")
         runs[method] = paths.split(",")
     paper = PAPER_AVG_EM.get(args.paper, {})
+    model = f" (Qwen2.5-{args.paper.upper()})" if paper else ""
     text = (
-        f"# Exact match (%) on the seven test sets{f' (Qwen2.5-{args.paper.upper()})' if paper else ''}\n\n"
-        f"{report_table(runs, paper)}\n\nGreedy decoding, one sample per question, exact match after SQuAD "
-        "normalisation; Avg. is the unweighted mean over the test sets. Paper rows: arXiv 2610.31544, average "
-        "only (its per-set figures are not available here).\n")
+        f"# Exact match (%) on the seven test sets{model}\n\n{report_table(runs, paper)}\n\n"
+        "Greedy decoding, one sample per question, exact match after SQuAD normalisation; Avg. is "
+        "the unweighted mean over the test sets. EM in percent, as the paper reports it: eval.py's "
+        "files hold fractions in [0, 1], multiplied by 100 here. Paper rows: arXiv 2610.31544, "
+        "average only (its per-set figures are not available here).\n")
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -190,14 +213,21 @@ def paper_main(argv=None):
 # --- every method at equal generated tokens (`make compare-methods`) ---
 
 def method_of(cfg: dict) -> str:
-    """A run's row name: its method; VinePPO with its K (a knob swept on seeds 0-2), uncoupled TWICE
-    apart."""
-    if cfg.get("method") == "vineppo" and "vine_k" in cfg:
+    """A run's row name: its method (config.json's `method`; omega = 0 with method twice, or no
+    method field, is GRPO, as train_twice.Config.resolve rules); VinePPO with its K (a knob swept on
+    seeds 0-2), uncoupled TWICE apart."""
+    method = cfg.get("method", "twice")
+    if method == "twice" and cfg.get("omega") == 0:
+        return "grpo"
+    if method == "vineppo" and "vine_k" in cfg:
         return f"vineppo K={cfg['vine_k']}"
-    if "method" in cfg:
-        return cfg["method"] if cfg["method"] != "twice" or cfg.get("coupling",
-                                                                    True) else "twice-uncoupled"
-    return "grpo" if cfg["omega"] == 0 else "twice" if cfg["coupling"] else "twice-uncoupled"
+    return "twice-uncoupled" if method == "twice" and not cfg.get("coupling", True) else method
+
+
+def run_length(cfg: dict) -> str:
+    """What a run was set to spend (config.json): its token_budget, else its steps."""
+    return (f"token_budget {cfg['token_budget']}" if cfg.get("token_budget") else
+            f"{cfg.get('steps')} steps")
 
 
 def em_vs_tokens(rows: list) -> list:
@@ -261,9 +291,9 @@ def paired(run_dirs, base: str = "grpo", runs: dict = None) -> str:
     method (lab/benchmark.py names its runs)."""
     runs = load_runs(run_dirs) if runs is None else runs
     if base not in runs:
-        raise SystemExit(
-            f"lab/report.py paired: no {base} run among the folders: the differences are taken from it"
-        )
+        raise SystemExit(f"lab/report.py paired: no {base} run among the folders: the differences "
+                         "are taken from it")
+    refuse_unpaired(runs, base)
     budget = shared_budget(runs)
     stats = {
         m: {
@@ -272,21 +302,39 @@ def paired(run_dirs, base: str = "grpo", runs: dict = None) -> str:
         } for m, seeds in runs.items()
     }
 
-    def se(x, sign=""):
-        return f"{np.mean(x):{sign}.3f} +- {np.std(x, ddof=1) / np.sqrt(len(x)):.3f}" if len(x) > 1 else \
-            f"{x[0]:{sign}.3f}"
+    def se(x, sign=""):  # n/a: an AUC without an evaluation before the first step (below)
+        if not np.isfinite(x).all():
+            return "n/a"
+        return f"{np.mean(x):{sign}.3f} +- {np.std(x, ddof=1) / np.sqrt(len(x)):.3f}" \
+            if len(x) > 1 else f"{x[0]:{sign}.3f}"
 
     out = [
-        f"| method | seeds | AUC | final EM | AUC - {base}'s (paired) | final EM - {base}'s (paired) |",
-        "|---|---:|---:|---:|---:|---:|"
+        f"| method | seeds | AUC | final EM | AUC - {base}'s (paired) | final EM - {base}'s "
+        "(paired) |", "|---|---:|---:|---:|---:|---:|"
     ]
-    for m in sorted(stats, key=lambda m: -np.mean([a for a, _ in stats[m].values()])):
+    for m in sorted(stats, key=lambda m: -np.nan_to_num(np.mean([a for a, _ in stats[m].values()]),
+                                                         nan=-np.inf)):
         both = [s for s in stats[m] if s in stats[base]]
         diff = [[stats[m][s][k] - stats[base][s][k] for s in both] for k in (0, 1)]
         out.append(f"| {m} | {len(stats[m])} | {se([a for a, _ in stats[m].values()])} | "
                    f"{se([f for _, f in stats[m].values()])} | " +
                    (" | ".join(se(x, "+") for x in diff) if m != base and both else "- | -") + " |")
+    late = [f"{m} seed {s}" for m in stats for s, (a, _) in stats[m].items() if not np.isfinite(a)]
+    if late:
+        out += ["", f"AUC n/a: {', '.join(late)} not evaluated before the first step, so the area "
+                "under EM-vs-tokens has no start (eval_every > 0 or eval_tokens > 0 evaluates there)"]
     return "\n".join(out)
+
+
+def refuse_unpaired(runs: dict, base: str):
+    """SystemExit naming every pair of runs ({name: [(config, rows)]}) that paired() cannot
+    compare: a run and its seed's base run set to different lengths (steps or token_budget)."""
+    length = {(m, cfg.get("seed")): run_length(cfg) for m, seeds in runs.items() for cfg, _ in seeds}
+    bad = [f"{m} seed {s} ran {n}, {base} seed {s} {length[base, s]}"
+           for (m, s), n in length.items() if (base, s) in length and n != length[base, s]]
+    if bad:
+        raise SystemExit(f"lab/report.py paired: runs of unequal length in a pair ({'; '.join(bad)})"
+                         ": a paired difference needs runs of the same steps or token_budget")
 
 
 def compare_methods(run_dirs, checkpoints: int = 4, png: str = "", runs: dict = None) -> str:
@@ -596,7 +644,7 @@ def audit_scatter(path: str, a, ests: dict, metrics: dict):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     commands = {
-        "run": lambda a: print(checkpoint.finish_run(a[0])),
+        "run": lambda a: print(console.finish_run(a[0])),
         "compare": lambda a: print(compare_runs(a)), "methods": lambda a: print(
             compare_methods(
                 a, png=os.path.join(os.path.dirname(os.path.abspath(a[0])),

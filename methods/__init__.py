@@ -45,13 +45,22 @@ class BaselineConfig:
     craft_beta: float = 1.0         # craft: inverse temperature of the sibling weights exp(beta g)
 
     def baseline_checks(self) -> list:
+        """(field, ok, rule) of the knobs the chosen method reads, and only those: a knob no method
+        of the run reads cannot fail or mislead it (`--group_size=1` is one error, not also
+        Tree-GRPO's tree_m <= group_size)."""
+        read_by = {"vine_k": ("vineppo",), "step_gamma": ("gigpo", "hgpo"), "hgpo_k": ("hgpo",),
+                   "arpo_initial": ("arpo",), "arpo_beam": ("arpo",), "tree_m": ("tree_grpo",),
+                   "tree_l": ("tree_grpo",), "gamma": ("ppo", "igpo", "spa_rl", "agentprm"),
+                   "gae_lambda": ("ppo",), "estimator_lr_scale": ("ppo", "spa_rl", "agentprm"),
+                   "spa_beta": ("spa_rl",), "prm_rollouts": ("agentprm",), "craft_beta": ("craft",)}
         at_least = {"vine_k": 1, "hgpo_k": 0, "arpo_beam": 1, "tree_m": 1, "tree_l": 1,
                     "estimator_lr_scale": 0, "spa_beta": 0, "prm_rollouts": 0, "craft_beta": 0}
-        return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
-                [(k, 0 < getattr(self, k) <= 1, "in (0, 1]")
-                 for k in ("step_gamma", "arpo_initial", "gamma")] +
-                [("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
-                 ("tree_m", self.tree_m <= self.group_size, "<= group_size")])
+        checks = ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
+                  [(k, 0 < getattr(self, k) <= 1, "in (0, 1]")
+                   for k in ("step_gamma", "arpo_initial", "gamma")] +
+                  [("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
+                   ("tree_m", self.tree_m <= self.group_size, "<= group_size")])
+        return [c for c in checks if self.method in read_by[c[0]]]
 
 
 def make(cfg) -> twice.Method:

@@ -26,6 +26,7 @@ import torch
 
 from methods import baselines
 from generation import logprobs
+from infra import adamw
 import rollout
 import sampler
 import twice
@@ -61,7 +62,7 @@ class Estimator:
         body = copy.deepcopy(policy.base_model).float()
         body.requires_grad_(True)
         self.net = Scorer(body, policy.config.hidden_size).to(device)
-        self.opt = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=weight_decay)
+        self.opt = adamw.AdamW(self.net.parameters(), lr=lr, weight_decay=weight_decay)
         self.fwd_tokens = 0  # tokens through a forward pass (scoring and training)
         self.bwd_tokens = 0  # tokens through a backward pass
 

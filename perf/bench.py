@@ -479,7 +479,7 @@ def gpu_steps(shape: str, preset: str, steps: int, overrides: list, world: str,
     config = Qwen2Config(vocab_size=151_936, max_position_embeddings=32768, rms_norm_eps=1e-6,
                          rope_theta=1e6, **SHAPES[shape])
     cfg = tt.parse_config([
-        os.path.join(ROOT, "configs", preset), f"--world={world}", "--model=random",
+        os.path.join(ROOT, "configs", preset), f"--world={world}", "--model=",  # not read: random
         "--train_data=", "--eval_data=", "--retriever_url=", "--index=", "--log_tensorboard=false",
         "--out_dir=" + tempfile.mkdtemp(prefix="bench-gpu-"), *overrides
     ])

@@ -9,7 +9,10 @@ then checked against in-process search (`bench_exactness`: ids and scores to the
 
 It knows requests, clocks and processes; the server is reached only over HTTP (its flags are
 retrieval/server.py's `add_bench_flags`: `python -m retrieval.server bench` checks them, then runs
-this file in a child process). Nothing in the method imports this file.
+this file in a child process). Nothing in the method imports this file. `start_child` starts a
+server child on a port it binds itself (`--port 0`) and reads the port from the file the server
+writes once it listens (`--port_file`): the bench and the tests never pick a port in advance, so
+no other process can take it in between.
 
 Commands
   # load test of a server on this machine (tiny world, CPU)
@@ -20,10 +23,11 @@ Commands
 """
 import argparse
 import concurrent.futures
+import http.client
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -121,32 +125,77 @@ def _cpu_seconds(pid: int):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def start_child(command: list, folder: str, env=None, timeout: float = 120.0) -> tuple:
+    """Start a server in a child process and wait until it answers /health on 127.0.0.1 ->
+    (child, port, log).
+
+    `command` runs retrieval/server.py's `serve` without --port; `--port 0 --port_file` are added,
+    so the child binds any free port itself and reports it: no port is picked in advance, none can
+    be taken meanwhile. Its stdout and stderr go to `folder`/server.log. RuntimeError with that log
+    if the child exits first, or after `timeout` s (the child is then killed).
+    """
+    port_file, log = os.path.join(folder, "server.port"), os.path.join(folder, "server.log")
+    with open(log, "w") as out:
+        child = subprocess.Popen([*command, "--port", "0", "--port_file", port_file], env=env,
+                                 stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    try:
+        while not os.path.exists(port_file):
+            _check_child(child, log, deadline, "wrote no port")
+            time.sleep(0.05)
+        with open(port_file) as f:
+            port = int(f.read())
+        while not _healthy(port):  # it listens already: this waits for its loop, not for a port
+            _check_child(child, log, deadline, "did not answer /health")
+            time.sleep(0.05)
+        return child, port, log
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+
+
+def _healthy(port: int) -> bool:
+    """GET /health on 127.0.0.1 answers 200 (http.client: no proxy from the environment)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+def _check_child(child: subprocess.Popen, log: str, deadline: float, what: str):
+    status = child.poll()
+    if status is None and time.monotonic() < deadline:
+        return
+    why = f"exited with status {status}" if status is not None else f"{what} in time"
+    with open(log, errors="replace") as f:
+        raise RuntimeError(f"the server {why}; its output ({log}):\n{f.read()[-4000:]}")
+
+
 def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: int = 4,
                  big: int = 3000, threads: int = 1, device: str = "cpu", url=None,
                  workers=None) -> dict:
     """Start `retrieval/server.py serve` in a child process on 127.0.0.1 (or use the server at
     `url`) and measure it; prints and returns the figures. Exactness compares with retriever.py's
     in-process search."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # `-m retrieval.server` imports from the repository's root
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
     command = [sys.executable, "-m", "retrieval.server", "serve", "--index", index_dir,
-               "--port", str(port), "--device", device]
+               "--device", device]
     command += ["--workers", str(workers)] if workers else []
-    child = subprocess.Popen(command if url is None else ["true"], env=env)
     measured = url is None  # the server's CPU time is read from its process: only one started here
-    url = url or f"http://127.0.0.1:{port}/retrieve"
+    folder = tempfile.TemporaryDirectory(prefix="bench_server_")
+    child = None
     try:
-        for _ in range(600):
-            try:
-                if requests.get(url.replace("/retrieve", "/health"), timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.2)
+        if measured:
+            child, port, log = start_child(command, folder.name, env)
+            url = f"http://127.0.0.1:{port}/retrieve"
         cpu = _cpu_seconds(child.pid) if measured else None
         load, sent = bench_load(url, clients, per_client, size)
         # nan: not our child, or no /proc
@@ -162,8 +211,12 @@ def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: 
               f"{interleave['small_max_s']:.2f} s, median {interleave['small_median_s']:.2f} s; "
               f"{interleave['errors']} errors", flush=True)
     finally:
-        child.terminate()
-        child.wait(timeout=60)
+        if child is not None:
+            child.terminate()
+            child.wait(timeout=60)
+            with open(log, errors="replace") as f:  # the server's own lines, warnings included
+                sys.stderr.write(f.read())
+        folder.cleanup()
     torch.set_num_threads(threads)
     retriever = Retriever(index_dir, device, cache_size=0)
     differ = bench_exactness(retriever, sent + sent_big)

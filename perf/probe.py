@@ -1,8 +1,10 @@
 """The pinned numerics' probe: digests of the world build's kernels in miniature, to compare two
 machines (or emulated CPUs) in seconds where a world build takes minutes (RESULTS.md "Pinned
-numerics"). It imports infra/numerics.py first, so it runs pinned like a build.
+numerics"). It imports infra/numerics.py first, so it runs pinned like a build. Every digest but
+vml_sqrt (torch's CPU square root: MKL's, which differs from CPU to CPU; the build does not use it,
+infra/adamw.py) must be the same on every x86-64 CPU with AVX2.
 
-  python -m perf.probe     # the pins, what is in force, the digests, and any problem (exit status 1)
+  python -m perf.probe     # the pins, what is in force, the digests, any problem (exit status 1)
 """
 from infra import numerics  # noqa: F401  first: pins the CPU math libraries before numpy, torch
 
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from infra import adamw
 from retrieval.dense import Encoder
 
 
@@ -35,7 +38,8 @@ def probe() -> dict:
         Qwen2Config(vocab_size=vocab, hidden_size=h, intermediate_size=3 * h, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
                     tie_word_embeddings=True, initializer_range=0.1))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    # the build's optimizer
+    opt = adamw.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     ids = torch.randint(0, vocab, (batch, length))
     stages = {"encoder": vectors}
     for step in range(3):
@@ -52,10 +56,29 @@ def probe() -> dict:
     # torch's sqrt and exp of a float tensor: MKL's vector math on a CPU
     x = torch.linspace(1e-3, 10.0, 4096)
     stages["vml_sqrt"], stages["vml_exp"] = x.sqrt().numpy(), (-x).exp().numpy()
+    stages["exact_sqrt"] = adamw.exact_sqrt(x).numpy()  # what the build's AdamW uses instead
+    stages.update({f"op_{name}": out.numpy() for name, out in kernels().items()})
     return {
         name: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:12]
         for name, a in stages.items()
     }
+
+
+def kernels() -> dict:
+    """The other CPU kernels a world build and a training step use, each on fixed inputs: every
+    one gave the same bits on every CPU tried (RESULTS.md "Pinned numerics"), torch's sqrt alone
+    did not."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    x, s = torch.rand(4099, generator=g) * 10 + 1e-3, torch.randn(4099, generator=g) * 3
+    a, b = torch.randn(64, 96, generator=g), torch.randn(96, 80, generator=g)
+    return {"exp": (-x).exp(), "log": x.log(), "tanh": s.tanh(), "sigmoid": s.sigmoid(),
+            "erf": s.erf(), "silu": F.silu(s), "gelu": F.gelu(s), "rsqrt": x.rsqrt(),
+            "pow": x.pow(-0.5), "softmax": a.softmax(-1), "log_softmax": a.log_softmax(-1),
+            "matmul": a @ b, "var": a.var(-1), "norm": torch.linalg.vector_norm(a, dim=-1),
+            "layer_norm": F.layer_norm(a, (96,)),
+            "cross_entropy": F.cross_entropy(a, torch.arange(64)),
+            "exp64": (-x).double().exp(), "log64": x.double().log()}
 
 
 def main(argv=None) -> int:

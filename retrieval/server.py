@@ -12,11 +12,13 @@ Contract (DESIGN.md sections 3, 10 and 12; Search-R1 compatible)
 - POST /retrieve {"queries": [str, ...], "topk": k, "return_scores": bool}
   -> {"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...] per query]};
   GET /health -> {"status": "ok", "n_rows": N}. As in Search-R1, "queries": [] answers
-  {"result": []} and "" is a query like any other. Served by uvicorn (as Search-R1); `--workers`
-  encoder threads (default: CPU cores // torch threads, 1 on a GPU) each take a round of the
-  waiting requests' queries (ROUND_TOKENS tokens), round-robin, SLICE_QUERIES at a time, so
-  concurrent requests share forwards and a huge one does not stall the rest. A request is
-  tokenized once, in its own thread and without a lock; the encoder threads get its tokens.
+  {"result": []} and "" is a query like any other. Another method on either path gets 405 with an
+  Allow header (FastAPI's status for Search-R1's server), any other path 404, both as
+  {"error": "..."}. Served by uvicorn (as Search-R1); `--workers` encoder threads (default: CPU
+  cores // torch threads, 1 on a GPU) each take a round of the waiting requests' queries
+  (ROUND_TOKENS tokens), round-robin, SLICE_QUERIES at a time, so concurrent requests share
+  forwards and a huge one does not stall the rest. A request is tokenized once, in its own thread
+  and without a lock; the encoder threads get its tokens.
 
 Deviations from Search-R1 (DESIGN.md section 13; tagged `# DEVIATION S<n>:` in the code; S1, S4,
 S14: retrieval/dense.py)
@@ -42,7 +44,9 @@ S16. At most --max_connections connections are open (default: what the descripto
      connection before the answer is dropped from the queue. Search-R1 (uvicorn alone) logs a
      traceback per failed accept and computes abandoned requests to the end.
 Every numeric flag is range-checked at startup (exit status 2, naming the flag), before the index
-is loaded.
+is loaded. `--port 0 --port_file PATH` binds any free port and writes its number to PATH
+(atomically, once the socket listens): a parent reads it (perf/bench_server.py's `start_child`),
+so no port is picked in advance.
 
 Commands (building an index: retriever.py)
   # tiny world (CPU)
@@ -56,6 +60,8 @@ Commands (building an index: retriever.py)
   python -m retrieval.server --index_path $file_path/e5_Flat.index \
       --corpus_path $file_path/wiki-18.jsonl --topk 3 --retriever_name e5 \
       --retriever_model intfloat/e5-base-v2 --faiss_gpu
+  # any free port, its number in a file once listening (what tests and the bench use)
+  python -m retrieval.server serve --index data/tinyworld/index --port 0 --port_file /tmp/port
   # load test of a server on this machine (DESIGN.md section 12): perf/bench_server.py
   python -m retrieval.server bench --index data/tinyworld/index
 """
@@ -166,9 +172,10 @@ class Batcher:
                  round_cost: int = ROUND_TOKENS, workers: int = 1, cost=None, tokenize=None):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(
-                f"workers must be an integer >= 1, got {workers!r}: with none, requests wait for ever"
-            )
-        self.retriever, self.slice, self.round, self.workers = retriever, slice_queries, round_cost, workers
+                f"workers must be an integer >= 1, got {workers!r}: with none, requests wait "
+                "for ever")
+        self.retriever, self.slice, self.round = retriever, slice_queries, round_cost
+        self.workers = workers
         self.cost, self.tokenize = cost or (lambda queries: [1] * len(queries)), tokenize
         self._waiting, self._wake, self._closed = collections.deque(), threading.Condition(), False
         # cost (tokens) of the queries not yet taken; workers waiting for a round
@@ -285,8 +292,8 @@ async def _read_body(request: Request) -> bytes:
     chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
     if not chunked and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
         raise ValueError(
-            f"the body needs a Content-Length of at most {MAX_BODY_BYTES} bytes, got {length[:20]!r}"
-        )
+            f"the body needs a Content-Length of at most {MAX_BODY_BYTES} bytes, got "
+            f"{length[:20]!r}")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -305,10 +312,11 @@ async def _client_gone(request: Request):
 def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK,
              max_queries: int = MAX_QUERIES, body_timeout: float = BODY_TIMEOUT,
              max_query_bytes: int = MAX_QUERY_BYTES) -> Starlette:
-    """The ASGI app: POST /retrieve, GET /health, a JSON 404 elsewhere. CPU work (parsing,
-    tokenizing, searching, writing the answer) runs off the event loop, so slow or huge requests
-    never hold up the others' I/O. A request whose client closes the connection before its answer is
-    cancelled: what the encoder has not yet taken is dropped (DEVIATION S16)."""
+    """The ASGI app: POST /retrieve, GET /health, a JSON 405 (with Allow) for another method on
+    either, a JSON 404 elsewhere. CPU work (parsing, tokenizing, searching, writing the answer)
+    runs off the event loop, so slow or huge requests never hold up the others' I/O. A request
+    whose client closes the connection before its answer is cancelled: what the encoder has not
+    yet taken is dropped (DEVIATION S16)."""
 
     async def retrieve(request: Request) -> Response:
         try:
@@ -348,15 +356,20 @@ def make_app(batcher: Batcher, n_rows: int, default_topk: int = TOPK,
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "n_rows": n_rows})
 
-    async def not_found(request: Request) -> Response:
+    # Starlette raises these: 404 when no route has the path, 405 when none takes the method
+    async def not_found(request: Request, exc) -> Response:
         return _error(404, f"unknown path {request.url.path}; use POST /retrieve or GET /health")
 
-    return Starlette(routes=[
-        Route("/retrieve", retrieve, methods=["POST"]),
-        Route("/health", health),
-        Route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "HEAD"])
-    ])
+    async def wrong_method(request: Request, exc) -> Response:
+        allow = sorted(exc.headers["Allow"].split(", "))  # a set's order: sorted, it is stable
+        path, use = request.url.path, " or ".join(m for m in allow if m != "HEAD")
+        response = _error(405, f"{request.method} {path} is not allowed; use {use} {path}")
+        response.headers["Allow"] = ", ".join(allow)
+        return response
 
+    return Starlette(routes=[Route("/retrieve", retrieve, methods=["POST"]),
+                             Route("/health", health, methods=["GET"])],  # Starlette adds HEAD
+                     exception_handlers={404: not_found, 405: wrong_method})
 
 def default_workers(device: torch.device) -> int:
     """Encoder threads of the server: on a CPU as many forwards at once as the cores hold at torch's
@@ -398,8 +411,9 @@ class RetrievalServer:
         self._stopped.set()
         if self.connections.cap > budget:  # after uvicorn.Config, which sets up its logger
             LOG.warning(
-                f"--max_connections {self.connections.cap} is above what the descriptor limit leaves "
-                f"(ulimit -n {descriptor_limit()}: about {budget}); past that, accepting pauses")
+                f"--max_connections {self.connections.cap} is above what the descriptor limit "
+                f"leaves (ulimit -n {descriptor_limit()}: about {budget}); past that, accepting "
+                "pauses")
 
     def serve_forever(self):
         # uvicorn.Server.run, on asyncio's loop (never uvloop: `ListeningSocket` needs asyncio's)
@@ -467,17 +481,29 @@ def freeze_heap():
     gc.freeze()
 
 
+def write_port_file(path: str, port: int):
+    """`port` into `path`, atomically (a temporary file beside it, then a rename): a reader sees no
+    file or the whole number, never a part of it."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(temporary, path)
+
+
 def serve(index_dir: str, host: str = "127.0.0.1", port: int = 8000, device=None,
           cache_size: int = 100_000, corpus=None, fp16: bool = False, faiss_gpu=None,
-          cache_bytes: int = CACHE_BYTES, index_fp16: bool = False, **options):
-    """Load the index and serve it until interrupted."""
+          cache_bytes: int = CACHE_BYTES, index_fp16: bool = False, port_file=None, **options):
+    """Load the index and serve it until interrupted; with `port_file`, the port it listens on is
+    written there once the socket listens."""
     retriever = Retriever(index_dir, device, cache_size, corpus, fp16, faiss_gpu, cache_bytes,
                           index_fp16)
     with make_server(retriever, host, port, **options) as server:
-        print(
-            f"serving {index_dir} ({retriever.n_rows} rows) at http://{host}:{server.server_port}/retrieve",
-            flush=True)
+        print(f"serving {index_dir} ({retriever.n_rows} rows) at "
+              f"http://{host}:{server.server_port}/retrieve", flush=True)
         freeze_heap()
+        # the socket listens: a client connecting now waits only for the event loop to start
+        if port_file:
+            write_port_file(port_file, server.server_port)
         server.serve_forever()  # uvicorn stops on Ctrl-C / SIGTERM
 
 
@@ -514,6 +540,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     server.add_argument("--host", default="127.0.0.1",
                         help="0.0.0.0 to serve other machines (DEVIATION S13)")
     server.add_argument("--port", type=int, default=8000, help="0: any free port")
+    server.add_argument("--port_file", default=None,
+                        help="write the port listened on here (atomically) once listening")
     server.add_argument("--cache_size", type=int, default=100_000,
                         help="answers cached, at most (0: no cache)")
     server.add_argument("--cache_bytes", type=int, default=CACHE_BYTES,
@@ -564,9 +592,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             # a pyserini (Lucene) index: Java's format, not read here
             os.path.join(args.index, "meta.json")):
         parser.error(
-            f"--retriever_name bm25: {args.index} is not an index folder of retriever.py; build a BM25 one "
-            "with `python retriever.py build --encoder bm25 --corpus CORPUS --out DIR` (retrieval/bm25.py)"
-        )
+            f"--retriever_name bm25: {args.index} is not an index folder of retriever.py; build "
+            "a BM25 one with `python retriever.py build --encoder bm25 --corpus CORPUS --out DIR` "
+            "(retrieval/bm25.py)")
     if args.command == "serve" and os.path.isfile(args.index) and not args.corpus:
         parser.error(
             f"--index_path {args.index} is an index file: give its corpus with --corpus_path")
@@ -597,7 +625,8 @@ def main(argv=None):
         serve(index, args.host, args.port, args.device, args.cache_size, corpus, args.fp16,
               True if args.faiss_gpu else None, args.cache_bytes, args.index_fp16,
               default_topk=args.topk, max_queries=args.max_queries, workers=args.workers,
-              max_query_bytes=args.max_query_bytes, max_connections=args.max_connections)
+              max_query_bytes=args.max_query_bytes, max_connections=args.max_connections,
+              port_file=args.port_file)
 
 
 if __name__ == "__main__":

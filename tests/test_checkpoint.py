@@ -220,3 +220,11 @@ def test_retention_through_a_crash_before_pruning_and_a_resume_and_the_bf16_expo
     n, n_tensors = sum(p.numel() for p in fp32.parameters()), len(list(fp32.parameters()))
     assert 16 * n <= tensor_bytes(last) <= 16 * n + 1536 * n_tensors
     assert 2 * n <= os.path.getsize(os.path.join(last, "policy_bf16", "model.safetensors")) <= 2 * n + 512 * n_tensors
+
+
+def test_log_wandb_without_wandb_fails_at_start_naming_the_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
+    cfg = SimpleNamespace(log_tensorboard=False, log_wandb=True, out_dir=str(tmp_path),
+                          wandb_project="twice")
+    with pytest.raises(ValueError, match=r"wandb is not installed: pip install wandb"):
+        checkpoint.open_trackers(cfg)

@@ -18,16 +18,16 @@ MAX_TOP_LEVEL_OTHERS = 8  # the method's own modules beside the entry points
 # builder, the lab, the instruments) import the method; nothing in the method imports them.
 ORDER = [
     "infra", "generation", "retrieval", "worlds", "lab", "perf",  # folder docstrings: they import nothing
-    "infra.config", "infra.numerics", "infra.weights", "protocol", "sampler",
+    "infra.config", "infra.numerics", "infra.adamw", "infra.weights", "protocol", "sampler",
     "generation.stops", "generation.rows", "generation.kvcache", "generation.engine", "generation.logprobs",
     "credit", "retrieval.index", "retrieval.dense", "retrieval.bm25", "retriever",
-    "rollout", "forks", "twice", "eval", "infra.lora", "infra.checkpoint",
+    "rollout", "forks", "twice", "eval", "infra.lora", "infra.checkpoint", "infra.console",
     "methods.baselines", "methods.learned", "methods", "train_twice",
     "retrieval.limits", "retrieval.server",
     "worlds.lock", "worlds.base", "worlds.tiny", "worlds.chains", "worlds.build", "worlds.data",
     "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark",
     "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_server", "perf.bench",
-    "perf.gpucheck", "perf.probe",
+    "perf.gpucheck", "perf.probe", "perf.cpucheck",
 ]
 LONG_LINE, LONG_LINE_SHARE = 100, 0.10  # characters; share of code lines allowed past it
 MAX_MODULE_LINES = 700

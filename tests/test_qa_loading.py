@@ -171,5 +171,5 @@ def test_the_built_in_worlds_and_searchr1_conversion_have_unique_ids(tiny_world,
                   {"id": "train_0", "question": "q two", "golden_answers": ["Vantis"], "data_source": "hotpotqa"}]
                  ).to_parquet(src)
     dest = str(tmp_path / "train.jsonl")
-    assert data.convert_train(src, dest) == 2
+    assert data.convert_qa(src, dest) == 2
     assert [r["id"] for r in qa_eval.load_qa(dest)] == ["nq_train_0", "hotpotqa_train_0"]

@@ -23,6 +23,7 @@ NOT_HERE = {  # a README command (regular expression) -> why this suite does not
     r"^make benchmark SET=": "hours of training runs; tests/test_benchmark.py checks the sets",
     r"^make benchmark-report$": "rewrites results/chains: tests/test_benchmark.py rebuilds it elsewhere",
     r"^make compare-methods": "13 methods' training runs",
+    r"^python -m worlds.data convert ": "needs a Search-R1 parquet: tests/test_data.py converts one it writes",
     r"^python -m perf.ledger configs/": "minutes per preset; tests/test_ledger.py runs the ledger small",
     r"^python -m worlds.build --out data/(tinyworld|chains)": "a full build; tests/test_world*.py build both "
                                                               "presets at test scale through the same CLI",
@@ -126,8 +127,11 @@ def resume(ctx, cmd):
 
 
 def replay(ctx, cmd):
-    uid = json.loads(open(os.path.join(ctx.run, "episodes.jsonl")).readline())["uid"]
-    words = [w if w != "U" else str(uid) for w in ctx.swap(cmd)]
+    """The README's step (a step with its checkpoint in make demo's run) -> the last such step here."""
+    step = ctx.last - 1  # step_N for N < last: the policy step N's episodes were sampled from
+    uid = next(row["uid"] for row in map(json.loads, open(os.path.join(ctx.run, "episodes.jsonl")))
+               if row["step"] == step)
+    words = [{"U": str(uid), "20": str(step)}.get(w, w) for w in ctx.swap(cmd)]
     proc = run(words)
     assert "tokens identical to episodes.jsonl" in proc.stdout, proc.stdout[-1000:]
 
@@ -164,26 +168,36 @@ def world_copy(ctx, cmd):
     run([sys.executable, "-m", "worlds.build", "--verify", out])
 
 
+def own_world(ctx, cmd):
+    """The tiny world's corpus and training questions as the user's own data."""
+    cmd = cmd.replace("docs.jsonl", f"{ctx.world}/corpus.jsonl").replace("qa.jsonl", f"{ctx.world}/train.jsonl")
+    run(ctx.swap(cmd.replace("data/mine", os.path.join(ctx.tmp, "mine"))))
+    assert json.load(open(os.path.join(ctx.tmp, "mine", "index", "meta.json")))["encoder"] == "bm25"
+
+
+def own_world_run(ctx, cmd):
+    out = os.path.join(ctx.tmp, "runs/mine")
+    cmd = cmd.replace("data/mine", os.path.join(ctx.tmp, "mine")).replace("runs/mine", out)
+    run(ctx.swap(cmd) + SMALL + ["--steps=1"])
+    assert json.loads(open(os.path.join(out, "metrics.jsonl")).readlines()[-1])["final"]
+
+
 RUNS = [  # (README command pattern, what runs it), in this order
-    (r"^python train_twice.py configs/demo.cfg$", demo_run),
+    (r"^python train_twice.py configs/demo.cfg --overwrite$", demo_run),
     (r"^python train_twice.py --help$", plain),
-    (r"^python train_twice.py configs/demo.cfg --method=grpo$", grpo_run),
+    (r"^python train_twice.py configs/demo.cfg --method=grpo --out_dir=runs/demo/grpo$", grpo_run),
     (r"^python train_twice.py configs/demo.cfg --resume=", resume),
     (r"^python eval.py --model runs/demo/twice/", plain_small("--limit=3")),
     (r"^python rollout.py replay ", replay),
-    (r"^python retriever.py search --index data/tinyworld/index ", plain),
     (r"^python -m perf.bench_server --index data/tinyworld/index", plain_small(
         "--clients", "2", "--requests", "2", "--queries", "2", "--big", "20")),
     (r"^python -m lab.audit --world ", plain_small("--decisions=2", "--oracle_rollouts=2", "--repeats=2",
                                                    "--vine_k=1", "--max_new_tokens=6", "--max_turns=1",
                                                    "--method_rows=", "--progress=false")),
-    (r"^python -m lab.audit --rescore ", plain),
     (r"^python -m lab.report paired runs/compare-methods", lambda ctx, cmd: run(
         [sys.executable, "-m", "lab.report", "paired", *sorted(
             os.path.join(ctx.tmp, "runs/compare-methods", d)
             for d in os.listdir(os.path.join(ctx.tmp, "runs/compare-methods")))])),
-    (r"^python -m lab.report run DIR$", lambda ctx, cmd: run(
-        [sys.executable, "-m", "lab.report", "run", ctx.run])),
     (r"^python -m lab.report compare DIR\.\.\.$", lambda ctx, cmd: run(
         [sys.executable, "-m", "lab.report", "compare", ctx.run,
          os.path.join(ctx.tmp, "runs/compare-methods/grpo-seed0")])),
@@ -191,9 +205,6 @@ RUNS = [  # (README command pattern, what runs it), in this order
     (r"^python retriever.py search --index data/tinyworld/index_bm25 ", plain),
     (r"^python train_twice.py configs/demo.cfg --index=data/tinyworld/index_bm25", lambda ctx, cmd: train(
         ctx, cmd, f"--out_dir={os.path.join(ctx.tmp, 'runs/bm25')}", "--steps=1")),
-    (r"^python -m perf.bench retrieval ", lambda ctx, cmd: run(
-        [sys.executable, "-m", "perf.bench", "retrieval", "--rows", "300", "--queries", "4", "--rounds", "1",
-         "--out", os.path.join(ctx.tmp, "bench_retrieval")])),
     (r"^python train_twice.py configs/demo.cfg --lora_rank=8 ", lora_run),
     (r"^python -m infra.lora memory ", plain),
     (r"^python eval.py --model runs/demo/lora/", lambda ctx, cmd: run(
@@ -203,6 +214,8 @@ RUNS = [  # (README command pattern, what runs it), in this order
     (r"^python -m worlds.build --verify DIR$", lambda ctx, cmd: run(
         [sys.executable, "-m", "worlds.build", "--verify", os.path.join(ctx.tmp, "tiny-world")])),
     (r"^make reproduce-3b DRY_RUN=1$", lambda ctx, cmd: run(make(cmd))),
+    (r"^python -m worlds.data world ", own_world),
+    (r"^python train_twice.py --world=data/mine ", own_world_run),
 ]
 
 
@@ -214,3 +227,18 @@ def test_the_readme_commands_run_on_the_tiny_world(ctx):
                 how(ctx, cmd)
                 done.add(pattern)
     assert done == {pattern for pattern, _ in RUNS}, {pattern for pattern, _ in RUNS} - done
+
+
+def test_the_readme_examples_fit_make_demos_own_output():
+    """After `make demo`: the replayed step has its checkpoint in the demo's run (configs/demo.cfg's save_every and
+    keep_checkpoints), and every example query names an entity of the committed tiny world."""
+    import train_twice as tt
+    cfg = tt.parse_config(["configs/demo.cfg"])
+    step = int(re.search(r"^python rollout.py replay .*--step (\d+) ", "\n".join(readme_commands()), re.M)[1])
+    kept = [n for n in range(cfg.save_every, cfg.steps, cfg.save_every)][-cfg.keep_checkpoints:]
+    assert 0 < step < cfg.steps and step in kept, (step, kept)
+    titles = {json.loads(line)["contents"].split("\n")[0].strip('"')
+              for line in open(os.path.join(ROOT, "worlds", "tiny-0", "corpus.jsonl"))}
+    queries = [shlex.split(cmd)[-1] for cmd in readme_commands() if cmd.startswith("python retriever.py search")]
+    assert queries and all(any(name in titles for name in re.findall(r"[A-Z][a-z]+", q)[1:]) for q in queries), \
+        queries

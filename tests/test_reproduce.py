@@ -343,8 +343,10 @@ def test_accelerate_configs_and_gpu_requirements():
     resolved = plugin.deepspeed_config
     assert (resolved["bf16"]["enabled"], resolved["fp16"]["enabled"], resolved["gradient_accumulation_steps"]) == \
         (True, False, 40)
-    req = [line.strip() for line in open(os.path.join(ROOT, "requirements-gpu.txt")) if not line.startswith("#")]
-    assert "-r requirements.txt" in req and any(line.startswith("deepspeed==0.") for line in req)
+    req = [line.split("#")[0].strip() for line in open(os.path.join(ROOT, "requirements-gpu.txt"))]
+    assert "-r requirements-base.txt" in req and "faiss-gpu==1.15.1" in req
+    assert any(line.startswith("deepspeed==0.") for line in req)
+    assert not any(line.startswith(("-r requirements.txt", "faiss-cpu")) for line in req)  # one faiss
 
 
 @pytest.mark.parametrize("size, accel", [("3b", "accelerate_zero2.yaml"), ("7b", "accelerate_zero2.yaml")])

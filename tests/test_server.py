@@ -3,6 +3,7 @@ test_retriever.py's 50-row MiniLM index (CPU, offline), and for RemoteRetriever 
 import ast
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import gc
 import http.client
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -37,15 +39,22 @@ def url(dense):
     server.server_close()
 
 
-def wait_for_health(child, port: int, why):
-    """Poll /health (up to ~2 min) while the child server starts; `why`: a message, or a log file to show."""
-    for _ in range(600):
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
-                return
-        except requests.RequestException:
-            assert child.poll() is None, why if isinstance(why, str) else why.read_text()
-            time.sleep(0.2)
+SERVER = [sys.executable, "-m", "retrieval.server"]
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def stop(child):
+    child.terminate()
+    child.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def refusing_port():
+    """A port on 127.0.0.1 that refuses connections for as long as it is held: bound here, never
+    listening, so no other process can take it meanwhile (a port merely found free can be)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 def test_retriever_knows_nothing_of_serving():
@@ -148,6 +157,26 @@ def test_server_rejects_bad_length_and_paths(url):
     assert requests.get(url.replace("/retrieve", "/health"), timeout=30).status_code == 200
 
 
+def test_a_wrong_method_gets_405_naming_the_allowed_ones(url):
+    """GET /retrieve answered 404 as if the path did not exist: now 405 with Allow, in the server's
+    JSON error shape; /health takes GET (and HEAD) only; an unknown path stays 404 whatever the
+    method."""
+    base = url.replace("/retrieve", "")
+    for method, path, allow in [("GET", "/retrieve", "POST"), ("PUT", "/retrieve", "POST"),
+                                ("DELETE", "/retrieve", "POST"), ("POST", "/health", "GET, HEAD"),
+                                ("PATCH", "/health", "GET, HEAD")]:
+        answer = requests.request(method, base + path, json={"queries": ["a"]}, timeout=30)
+        assert answer.status_code == 405 and answer.headers["Allow"] == allow, (method, path)
+        error = answer.json()["error"]
+        assert set(answer.json()) == {"error"} and f"{method} {path}" in error, error
+    assert requests.head(base + "/retrieve", timeout=30).status_code == 405
+    assert requests.head(base + "/health", timeout=30).status_code == 200
+    for method in ("GET", "POST", "PUT", "PATCH", "OPTIONS"):
+        answer = requests.request(method, base + "/nope", timeout=30)
+        assert answer.status_code == 404 and "/nope" in answer.json()["error"], method
+    assert requests.post(url, json={"queries": ["a river"]}, timeout=30).status_code == 200
+
+
 def test_remote_retriever_matches_dense(fresh, url):
     queries = [NAME0, "a city known since 1507", NAME0, "who is a painter"]
     for base in (url, url.replace("/retrieve", "/")):
@@ -159,10 +188,7 @@ def test_remote_retriever_errors(url):
         R.RemoteRetriever(url).search(["a river"], topk=101)
     with pytest.raises(ValueError, match="queries"):
         R.RemoteRetriever(url).search("a river")
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(RuntimeError, match="failed after 2 attempts"):
+    with refusing_port() as port, pytest.raises(RuntimeError, match="failed after 2 attempts"):
         R.RemoteRetriever(f"http://127.0.0.1:{port}", timeout=5, retries=1, backoff=0.01).search(["a river"])
 
 
@@ -182,32 +208,23 @@ def test_server_answers_search_r1_empty_batch_and_empty_query(fresh, url):
     assert R.RemoteRetriever(url).search([]) == [] and R.RemoteRetriever(url).search([""]) == fresh.search([""])
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_search_r1_launch_line(world, fresh, tmp_path):
     """retrieval_launch.sh with our script name, on an index *file* (+ --port/--device, as this test needs)."""
     index_file = str(tmp_path / "e5_Flat.index")
     shutil.copy(os.path.join(world.index_dir, "index.faiss"), index_file)
-    port = free_port()
     line = ["--index_path", index_file, "--corpus_path", world.corpus, "--topk", "2", "--retriever_name", "minilm",
             "--retriever_model", "minilm", "--faiss_gpu"]
     args = S.parse_args(line + ["--host", "0.0.0.0"])
     assert (args.command, args.host, args.topk, args.faiss_gpu) == ("serve", "0.0.0.0", 2, True)
     assert args.index == index_file and args.corpus == world.corpus
-    child = subprocess.Popen([sys.executable, "-m", "retrieval.server", *line, "--port", str(port),
-                              "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # the child binds --port 0 and reports its port (perf/bench_server.py's start_child)
+    child, port, _ = B.start_child([*SERVER, *line, "--device", "cpu"], str(tmp_path), ONE_THREAD)
     try:
-        wait_for_health(child, port, "the server exited")
         answer = requests.post(f"http://127.0.0.1:{port}/retrieve", json={"queries": [NAME0, "a king"],
                                                                           "return_scores": True}, timeout=60)
         assert as_docs(answer.json()["result"]) == fresh.search([NAME0, "a king"], 2)  # --topk is the default
     finally:
-        child.terminate()
-        child.wait(timeout=60)
+        stop(child)
     assert os.path.exists(index_file + ".twice/meta.json")
     assert I.search_r1_prefixes("e5") == ("query: ", "passage: ") and I.search_r1_prefixes("bge")[1] == ""
     with pytest.raises(SystemExit):
@@ -218,28 +235,56 @@ def test_a_bm25_folder_is_served_like_a_dense_one(world, tmp_path, capsys):
     """`retrieval/server.py` over a BM25 folder (retrieval/bm25.py), launched with Search-R1's BM25 flags: its answers equal in-process
     search bit for bit, over HTTP and through RemoteRetriever; a folder without meta.json (a pyserini Lucene index)
     is refused naming the command that builds ours."""
-    index, port = str(tmp_path / "bm25"), free_port()
+    index = str(tmp_path / "bm25")
     R.build_index(world.corpus, "bm25", index)
     retriever = R.Retriever(index, cache_size=0)
     queries = [NAME0, "a king", "", "river " * 300, "Zorvak's unknown words"]
-    line = ["--index_path", index, "--retriever_name", "bm25", "--topk", "4", "--port", str(port)]
-    child = subprocess.Popen([sys.executable, "-m", "retrieval.server", *line],
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = ["--index_path", index, "--retriever_name", "bm25", "--topk", "4"]
+    child, port, _ = B.start_child([*SERVER, *line], str(tmp_path), ONE_THREAD)
     try:
-        wait_for_health(child, port, "the server exited")
         url = f"http://127.0.0.1:{port}/retrieve"
         assert requests.get(url.replace("/retrieve", "/health"), timeout=30).json() == {"status": "ok", "n_rows": 50}
         answer = requests.post(url, json={"queries": queries, "return_scores": True}, timeout=60).json()["result"]
         assert bits(as_docs(answer)) == bits(retriever.search(queries, 4)) and answer[0][0]["document"]["id"] == "doc0"
         assert bits(R.RemoteRetriever(url).search(queries, 2)) == bits(retriever.search(queries, 2))
     finally:
-        child.terminate()
-        child.wait(timeout=60)
+        stop(child)
     retriever.close()
     with pytest.raises(SystemExit):
         S.parse_args(["--index_path", str(tmp_path), "--retriever_name", "bm25"])
     assert "retriever.py build --encoder bm25" in capsys.readouterr().err
 
+
+def test_servers_started_at_once_report_distinct_ports_they_bound(world, tmp_path):
+    """A test used to pick a free port, close it and start the server on it: another process took
+    it meanwhile (Address already in use). Now each child binds --port 0 itself and writes the
+    port to --port_file once it listens; two started at once come up on two ports, each reported
+    in full, and a child that exits first is reported with its output."""
+    command = [*SERVER, "serve", "--index", world.index_dir, "--device", "cpu", "--workers", "1"]
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder in folders:
+        folder.mkdir()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = list(pool.map(lambda folder: B.start_child(command, str(folder), ONE_THREAD),
+                                folders))
+    try:
+        ports = [port for _, port, _ in started]
+        assert len(set(ports)) == 2 and 0 not in ports, ports
+        for folder, (_, port, log) in zip(folders, started):
+            assert (folder / "server.port").read_text() == f"{port}\n"
+            assert sorted(os.listdir(folder)) == ["server.log", "server.port"]  # no temporary left
+            assert f"at http://127.0.0.1:{port}/retrieve" in Path(log).read_text()
+            health = requests.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
+            assert health == {"status": "ok", "n_rows": 50}
+    finally:
+        for child, _, _ in started:
+            stop(child)
+    missing = str(tmp_path / "no index here")
+    with pytest.raises(RuntimeError, match=r"exited with status 1(.|\n)*no index here"):
+        B.start_child([*SERVER, "serve", "--index", missing], str(tmp_path), ONE_THREAD)
+    S.write_port_file(str(tmp_path / "port"), 8000)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "port", "server.log"]
+    assert (tmp_path / "port").read_text() == "8000\n"
 
 def test_serve_freezes_the_loaded_heap(monkeypatch):
     """A full garbage collection walks every object loaded (~4e5 with torch and the model, ~160 ms holding the GIL,
@@ -433,9 +478,9 @@ def test_deeply_nested_json_gets_400(url, body):
 def test_lone_surrogate_is_refused_not_retried(url):
     status, payload = post_raw(url, b'{"queries": ["fine", "\\ud800"]}')
     assert status == 400 and re.search(r"'queries'\[1\] is not valid Unicode", payload["error"])
-    dead = f"http://127.0.0.1:{free_port()}"  # a client that tried to send would fail with RuntimeError
-    with pytest.raises(ValueError, match="not valid Unicode"):
-        R.RemoteRetriever(dead, retries=3, backoff=0.01).search(["\ud800"])
+    with refusing_port() as port, pytest.raises(ValueError, match="not valid Unicode"):
+        # a client that tried to send would fail with RuntimeError
+        R.RemoteRetriever(f"http://127.0.0.1:{port}", retries=3, backoff=0.01).search(["\ud800"])
 
 
 
@@ -573,16 +618,13 @@ def test_descriptor_exhaustion_is_logged_once_per_interval(world, tmp_path):
     """A server at ulimit -n 160 with 300 idle connections: CPython's accept loop logged a traceback per attempt
     (~56k lines a second). Now the connections past the cap (what the limit leaves) get 503 and are closed, a line per
     interval is logged, and once the clients close, /health answers again."""
-    port, log = free_port(), tmp_path / "server.log"
     launcher = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160)); "
                 "sys.argv = sys.argv[1:]; runpy.run_module('retrieval.server', run_name='__main__', alter_sys=True)")
-    command = [sys.executable, "-c", launcher, "retrieval/server.py", "serve", "--index", world.index_dir,
-               "--port", str(port), "--device", "cpu"]
-    with open(log, "w") as err:
-        child = subprocess.Popen(command, stderr=err, stdout=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    idle = []
+    command = [sys.executable, "-c", launcher, "retrieval/server.py", "serve", "--index",
+               world.index_dir, "--device", "cpu"]
+    child, port, log = B.start_child(command, str(tmp_path), ONE_THREAD)
+    log, idle = Path(log), []
     try:
-        wait_for_health(child, port, log)
         before = len(log.read_text().splitlines())
         start = time.perf_counter()
         idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(300)]
@@ -600,8 +642,7 @@ def test_descriptor_exhaustion_is_logged_once_per_interval(world, tmp_path):
     finally:
         for sock in idle:
             sock.close()
-        child.terminate()
-        child.wait(timeout=60)
+        stop(child)
 
 
 def _received(sock) -> bytes:

@@ -178,26 +178,32 @@ def test_two_cpu_processes_stay_in_sync(tiny_world, tmp_path, unit):
 def test_two_machines_stay_in_sync(tiny_world, tmp_path):
     """configs/accelerate_2nodes.yaml as `make train-2nodes` launches it, with two "machines" on this host: one
     launcher per machine rank, one CPU process each, meeting at 127.0.0.1:PORT; the run completes and both hold the
-    same weights after every step."""
+    same weights after every step. The port is free when picked but may be taken before rank 0 binds it: a start
+    that fails for that reason alone is retried on another port."""
     import socket
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "2nodes")
-    procs = []
-    for rank in (0, 1):
-        cmd, env = cpu_launch(os.path.join(ROOT, "train_twice.py"), out, tiny_world, "--config_file",
-                              os.path.join(ROOT, "configs", "accelerate_2nodes.yaml"), "--num_machines", "2",
-                              "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
-                              str(port), "--num_processes", "2")
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    try:
-        results = [p.communicate(timeout=900) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    for attempt in range(3):
+        with socket.socket() as s:  # a free port for the rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        for rank in (0, 1):
+            cmd, env = cpu_launch(os.path.join(ROOT, "train_twice.py"), out, tiny_world, "--config_file",
+                                  os.path.join(ROOT, "configs", "accelerate_2nodes.yaml"), "--num_machines", "2",
+                                  "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+                                  "--main_process_port", str(port), "--num_processes", "2",
+                                  flags=("--steps=2", "--eval_every=0", "--overwrite"))
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+        try:
+            results = [p.communicate(timeout=900) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        taken = any(p.returncode and "address already in use" in err.lower() for p, (_, err) in zip(procs, results))
+        if not taken:
+            break
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
     assert_ranks_in_sync(out)

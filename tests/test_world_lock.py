@@ -104,3 +104,18 @@ def test_committed_worlds_rebuild_to_their_digests(tmp_path):
         with open(tmp_path / preset / "world.json") as f:
             assert json.load(f)["stats"]["numerics"] == {"pinned": True, "cpu_capability": "AVX2", "threads": 1,
                                                           "mkl_branch": "COMPATIBLE", "faiss_simd": "AVX2"}
+
+
+def test_cpucheck_names_every_digest_that_differs_between_cpus_or_from_the_lock():
+    """perf/cpucheck.py's verdict: one line per file that two CPUs computed differently or that differs from
+    worlds.lock, naming each CPU's digest; agreement with the lock on every CPU is no line at all."""
+    from perf import cpucheck
+    locked = {f"tiny/{k}": v[:12] for k, v in world_lock.read_lock()[("tiny", 0, "test")].items()}
+    policy = "tiny/policy/model.safetensors"
+    same = {cpu: dict(locked, **{"probe/policy": "abc"}) for cpu in ("native", "EPYC-Milan-v1")}
+    assert cpucheck.compare(same) == []
+    apart = {"native": dict(same["native"], **{"probe/policy": "def"}), "EPYC-Milan-v1": same["EPYC-Milan-v1"]}
+    assert cpucheck.compare(apart) == ["probe/policy: native def, EPYC-Milan-v1 abc"]
+    off = {cpu: dict(r, **{policy: "000000000000"}) for cpu, r in same.items()}
+    assert cpucheck.compare(off) == [f"{policy}: native 000000000000, EPYC-Milan-v1 000000000000 "
+                                     f"(worlds.lock {locked[policy]})"]

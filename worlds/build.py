@@ -52,6 +52,7 @@ import time
 
 import numpy as np
 
+from infra import adamw
 from worlds import chains as world_chains
 from worlds import lock as world_lock
 from worlds import tiny as world_tiny
@@ -313,7 +314,8 @@ def train_bc(model, encoded, table, s, seed, token_weight=None):
     prefix = torch.tensor(encoded[0][0][:P])
     batches = make_batches(encoded, s["bc_batch"], make_rng(seed, 2))
     steps = min(s["bc_steps"], len(batches))
-    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    # AdamW with the CPU-independent square root (infra/adamw.py): the same world on every CPU
+    opt = adamw.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / steps)))))
@@ -491,8 +493,8 @@ def verify(folder):
     print(message, flush=True)
     if not ok and not numerics.allowed():
         raise SystemExit(
-            f"worlds/build.py: {folder} is not the committed world (set {numerics.ALLOW}=1 to use it anyway)"
-        )
+            f"worlds/build.py: {folder} is not the committed world: an older build? `rm -r {folder}` and "
+            f"`make world` copy the committed one (or set {numerics.ALLOW}=1 to use it anyway)")
 
 
 def lock(folder):

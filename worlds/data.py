@@ -1,42 +1,54 @@
-"""Preparation of the real datasets (DESIGN.md section 10); the built-in worlds are
-worlds/build.py's.
+"""Data in: Search-R1's datasets from the hub, and the user's own files (DESIGN.md section 10). The
+built-in worlds are worlds/build.py's.
 
-Real datasets (`searchr1`, DESIGN.md section 10; `make reproduce-3b` runs it): Search-R1's NQ +
-HotpotQA training set, the seven FlashRAG test sets, wiki-18 and its prebuilt E5 flat index from the
-Hugging Face hub (downloaded by huggingface_hub.hf_hub_download at a pinned commit, then checked
-against the hub's checksums), converted to the QA schema of worlds/build.py (`id`, `question`,
-`golden_answers`, `data_source`); see the comment above SR1_TRAIN. A rerun skips every finished step
-and file; a transfer that breaks is continued from where it stopped inside hf_hub_download, but a
-file whose download was abandoned (process killed, every retry failed) starts over. DEVIATION D1:
-training-time evaluation uses val.jsonl (100 questions per test set); final policies are scored on
-every question by eval.py.
+1. `searchr1` (`make reproduce-3b` runs it): Search-R1's NQ + HotpotQA training set, the seven
+   FlashRAG test sets, wiki-18 and its prebuilt E5 flat index from the Hugging Face hub
+   (hf_hub_download at a pinned commit, then checked against the hub's checksums), in the layout
+   above SR1_TRAIN. A rerun skips every finished step and file; a broken transfer continues inside
+   hf_hub_download, but a download abandoned (process killed, every retry failed) starts over.
+2. `convert`: a Search-R1 / verl parquet (the question inside `prompt`, after Search-R1's
+   instruction; the gold answers in `reward_model.ground_truth.target`) or a FlashRAG jsonl.
+3. `world`: a corpus in Search-R1's rows and questions -> a world folder for train_twice.py's
+   --world (no policy in it: give --model), indexed by retriever.build_index (minilm, bm25: no hub).
+Every QA file comes out in eval.load_qa's schema (`id`, `question`, `golden_answers`,
+`data_source`). Every input row is checked (eval.py's checks) and a bad one named by file:line or
+`file: row N` before anything is written; outputs go to a temporary name in the same folder and are
+renamed at the end. It knows file formats, not the retriever's internals nor training.
+
+Deviations: D1 training-time evaluation uses val.jsonl (100 questions per test set); final policies
+are scored on every question by eval.py. D4 ids get their data source as prefix (qa_row). D10 gold
+answers that normalise to nothing are removed (_drop_empty_gold).
 
 Launch:
-  python -m worlds.data searchr1 --out data/searchr1                         # ~80 GB download (corpus + index)
+  python -m worlds.data searchr1 --out data/searchr1         # ~80 GB download (corpus + index)
+  python -m worlds.data convert --input train.parquet --out data/mine/train.jsonl
+  python -m worlds.data world --corpus docs.jsonl --questions qa.jsonl --encoder bm25 \
+      --out data/mine
+  python train_twice.py --world=data/mine --model=Qwen/Qwen2.5-3B
 """
 import argparse
 import json
 import os
 import shutil
+import sys
 import time
 
 import numpy as np
 
 from eval import write_jsonl
 
-# `python -m worlds.data searchr1 --out data/searchr1` writes, resumably (a rerun skips every
-# finished file): train.jsonl            Search-R1's merged NQ + HotpotQA training split, in our QA
-# schema test/{name}.jsonl      the seven test sets (FlashRAG's test split, else dev, as Search-R1's
-# test merge) val.jsonl              VAL_PER_SOURCE questions of each test set: the periodic
-# evaluation during training wiki-18.jsonl          the corpus; e5_Flat.index the prebuilt E5 flat
-# index (joined from its parts); index/                 retriever.py's folder for it
-# (describe_prebuilt), or one encoded here (--index build) manifest.json          sources (repo,
-# commit, checksum), outputs and row counts; written last = "done" raw/{repo}/            the
-# downloads (hf_hub_download's local_dir; its records in .cache/huggingface); the big ones (corpus
-# .gz, index parts) are deleted once converted Sources, checked against Search-R1 (github
-# PeterGriffinJin/Search-R1: scripts/download.py, the README's cat part_*,
-# scripts/nq_hotpotqa/README.md, scripts/data_process/qa_search_{train,test}_merge.py) and
-# FlashRAG's dataset card.
+# `searchr1 --out DIR` writes, resumably (a rerun skips every finished file):
+#   train.jsonl        Search-R1's merged NQ + HotpotQA training split
+#   test/{name}.jsonl  the seven test sets (FlashRAG's test split, else dev: Search-R1's test merge)
+#   val.jsonl          VAL_PER_SOURCE questions of each test set: the evaluation during training
+#   wiki-18.jsonl      the corpus; e5_Flat.index: the prebuilt E5 flat index, joined from its parts
+#   index/             retriever.py's folder for it (describe_prebuilt), or one built: --index build
+#   manifest.json      sources (repo, commit, checksum), outputs and row counts; written last: done
+#   raw/{repo}/        the downloads (hf_hub_download's local_dir, its records in
+#                      .cache/huggingface); the big ones (corpus .gz, index parts) go once converted
+# Sources, checked against Search-R1 (github PeterGriffinJin/Search-R1: scripts/download.py, the
+# README's cat part_*, scripts/nq_hotpotqa/README.md,
+# scripts/data_process/qa_search_{train,test}_merge.py) and FlashRAG's dataset card.
 SR1_TRAIN = ("PeterJinGo/nq_hotpotqa_train", "train.parquet")  # hub dataset repo, file
 # {dataset}/{split}.jsonl rows: id, question, golden_answers, metadata
 FLASHRAG = "RUC-NLPIR/FlashRAG_datasets"
@@ -112,9 +124,8 @@ def fetch_verified(fetch, src: dict, retries: int = 3) -> str:
             break
         except Exception as e:
             if attempt == retries:
-                raise IOError(
-                    f"{where}: download interrupted ({type(e).__name__}: {e}); finished files are kept, "
-                    "rerun to continue") from e
+                raise IOError(f"{where}: download interrupted ({type(e).__name__}: {e}); finished "
+                              "files are kept, rerun to continue") from e
             print(f"{where}: {type(e).__name__}: {e}; retrying (retry {attempt + 1}/{retries})",
                   flush=True)
             time.sleep(RETRY_WAIT * (attempt + 1))
@@ -131,9 +142,12 @@ def fetch_verified(fetch, src: dict, retries: int = 3) -> str:
 
 
 def _as_list(gold) -> list:
-    # parquet list columns arrive as numpy arrays
-    gold = gold.tolist() if hasattr(gold, "tolist") else gold
-    return [gold] if isinstance(gold, str) else list(gold)
+    """A gold answer or a list of them as a list; anything else as it is, for the row check to
+    name."""
+    gold = gold.tolist() if hasattr(gold, "tolist") else gold  # pandas' list columns: numpy arrays
+    if isinstance(gold, str):
+        return [gold]
+    return list(gold) if isinstance(gold, (list, tuple)) else gold
 
 
 def _drop_empty_gold(rows: list, src: str) -> tuple:
@@ -151,33 +165,33 @@ def _drop_empty_gold(rows: list, src: str) -> tuple:
         else:
             dropped.append(r["id"])
     if trimmed:
-        print(
-            f"{src}: removed gold answers that normalise to nothing from {trimmed} row(s); dropped the "
-            f"{len(dropped)} left without an answer: {dropped[:10]}", flush=True)
+        print(f"{src}: removed gold answers that normalise to nothing from {trimmed} row(s); "
+              f"dropped the {len(dropped)} left without an answer: {dropped[:10]}", flush=True)
     return kept, dropped
 
 
 def _write_qa(rows: list, dest: str, src: str) -> int:
-    """Write QA rows atomically, once ids are unique and eval.load_qa (what training reads) accepts
-    the file. The ids of rows dropped for want of a usable gold answer go to dest.dropped.json,
+    """Write QA rows atomically, once eval.load_qa (what training reads) accepts the file (ids
+    unique too). The ids of rows dropped for want of a usable gold answer go to dest.dropped.json,
     written before dest (a rerun skips dest) and counted by the row check."""
     import eval as qa_eval
-    seen = set()
-    for i, r in enumerate(rows):
-        if r["id"] in seen:
-            raise ValueError(f"{src}: row {i}: duplicate id {r['id']!r}")
-        seen.add(r["id"])
     rows, dropped = _drop_empty_gold(rows, src)
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-    write_jsonl(dest + ".partial", rows)
-    try:
-        qa_eval.load_qa(dest + ".partial")
-    except ValueError as e:
-        raise ValueError(f"{src}: converted rows are not valid QA rows: {e}") from None
-    if dropped:
-        with open(dest + ".dropped.json", "w") as f:
-            json.dump(dropped, f)
-    os.replace(dest + ".partial", dest)
+    try:  # nothing half-written stays: the partial file goes on any error
+        write_jsonl(dest + ".partial", rows)
+        try:
+            qa_eval.load_qa(dest + ".partial")
+        except ValueError as e:
+            raise ValueError(f"{src}: converted rows are not valid QA rows: {e}") from None
+        if dropped:
+            with open(dest + ".dropped.json", "w") as f:
+                json.dump(dropped, f)
+        elif os.path.exists(dest + ".dropped.json"):  # an older conversion's
+            os.remove(dest + ".dropped.json")
+        os.replace(dest + ".partial", dest)
+    finally:
+        if os.path.exists(dest + ".partial"):
+            os.remove(dest + ".partial")
     return len(rows)
 
 
@@ -188,43 +202,128 @@ def _dropped(dest: str) -> list:
         return json.load(f)
 
 
-def convert_train(src: str, dest: str) -> int:
-    """Search-R1's merged train.parquet -> QA jsonl. FlashRAG numbers each dataset's rows from
-    train_0, so NQ and HotpotQA ids collide and the id gets its data source as prefix (the rollout
-    keys prompts by id)."""
-    import pandas as pd
-    df = pd.read_parquet(src)
-    missing = [c for c in ("question", "data_source") if c not in df.columns]
-    if missing or not {"golden_answers", "reward_model"} & set(df.columns):
-        raise ValueError(
-            f"{src}: missing column(s) {missing or ['golden_answers']}; columns: {list(df.columns)}"
-        )
-    rows = []
-    for i, r in enumerate(df.to_dict("records")):
-        gold = r.get("golden_answers")
-        gold = r["reward_model"]["ground_truth"]["target"] if gold is None else gold
-        rid = r.get("id") if r.get("id") is not None else r["extra_info"]["index"]
-        rows.append({
-            "id": f"{r['data_source']}_{rid}", "question": r["question"],
-            "golden_answers": _as_list(gold), "data_source": str(r["data_source"])
-        })
-    return _write_qa(rows, dest, src)
+# --- any QA file in: Search-R1 / verl parquet, FlashRAG jsonl (python -m worlds.data convert) ---
+
+def question_from_prompt(prompt) -> str:
+    """The question in a Search-R1 / verl `prompt` (a chat list of {role, content}): the first user
+    message's text after "Question: ", the line that ends Search-R1's instruction
+    (protocol.user_message, Search-R1's make_prefix); after the last one where the message does not
+    start with that instruction (a few-shot template ends with the real question)."""
+    from protocol import INSTRUCTION
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    user = next((m.get("content") for m in messages
+                 if isinstance(m, dict) and m.get("role") == "user"), None)
+    if not isinstance(user, str):
+        raise ValueError("field 'prompt' has no user message with text content; expected "
+                         "Search-R1's chat list [{'role': 'user', 'content': ...}]")
+    if user.startswith(INSTRUCTION + "Question: "):
+        question = user[len(INSTRUCTION + "Question: "):]
+    else:
+        question = user.rpartition("Question:")[2] if "Question:" in user else ""
+    if not question.strip():
+        raise ValueError("the user message of field 'prompt' has no 'Question: ...' (Search-R1's "
+                         "instruction, then the question); give the row a 'question' field")
+    return question.strip()
 
 
-def convert_flashrag(src: str, name: str, dest: str) -> int:
-    """A FlashRAG {split}.jsonl (id, question, golden_answers, metadata) -> QA jsonl with
-    data_source = name."""
+def _field(row: dict, *path):
+    """row[path[0]][path[1]]..., None where a level is missing."""
+    for key in path:
+        row = row.get(key) if isinstance(row, dict) else None
+    return row
+
+
+def qa_row(raw: dict, number: int, source: str) -> dict:
+    """One source row -> a QA row: a Search-R1 / verl row (prompt, reward_model.ground_truth.target
+    or a ground_truth that is the answer itself, data_source, extra_info.index) or a FlashRAG row
+    (id, question, golden_answers). A `question`,
+    `golden_answers`, `id` or `data_source` field wins over what is derived; `source` stands in for
+    a missing data_source, the row's number (0-based) for an id where extra_info has no index.
+    DEVIATION D4: FlashRAG numbers every dataset from train_0, and rollout keys prompts by id, so
+    the id gets its data source as prefix."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+    question = raw.get("question")
+    if question is None and raw.get("prompt") is not None:
+        question = question_from_prompt(raw["prompt"])
+    gold, truth = raw.get("golden_answers"), _field(raw, "reward_model", "ground_truth")
+    if gold is None:  # Search-R1's {"target": [...]}; other verl sets give the answer itself
+        gold = truth.get("target") if isinstance(truth, dict) else truth
+    rid = next((r for r in (raw.get("id"), _field(raw, "extra_info", "index"), number)
+                if r is not None))
+    source = str(raw.get("data_source") if raw.get("data_source") is not None else source)
+    for name, value, where in (("question", question, "'question' or 'prompt'"),
+                               ("gold answers", gold, "'golden_answers' or "
+                                "'reward_model.ground_truth.target'")):
+        if value is None:
+            raise ValueError(f"no {name}: the row needs {where}; fields: {sorted(raw)}")
+    return {"id": f"{source}_{rid}", "question": question, "golden_answers": _as_list(gold),
+            "data_source": source}
+
+
+def _checked(row: dict) -> dict:
+    """eval's row check (eval._check_row). Gold answers that normalise to nothing are not an error
+    here: _write_qa removes them, and drops a row left without one (DEVIATION D10)."""
+    import eval as qa_eval
+    from protocol import normalize_answer
+    gold = probe = row["golden_answers"]
+    if isinstance(gold, list) and gold and all(isinstance(g, str) for g in gold):
+        # a row with none left is dropped later; its other fields are checked all the same
+        probe = [g for g in gold if normalize_answer(g)] or ["x"]
+    return {**qa_eval._check_row({**row, "golden_answers": probe}), "golden_answers": gold}
+
+
+def read_records(src: str):
+    """Yield (where, row) of a .parquet (`file: row N`, 0-based, as eval.qa_where) or a jsonl file
+    (`file:line`, eval.read_jsonl)."""
     from eval import read_jsonl
-    rows = []
-    for lineno, r in read_jsonl(src):
-        missing = [k for k in ("id", "question", "golden_answers") if k not in r]
-        if missing:
-            raise ValueError(f"{src}:{lineno}: missing field(s) {missing}")
-        # DEVIATION D4: FlashRAG numbers every dataset from train_0, and rollout keys prompts by id:
-        # prefix the source
-        rows.append({"id": f"{name}_{r['id']}", "question": r["question"],
-                     "golden_answers": _as_list(r["golden_answers"]), "data_source": name})
-    return _write_qa(rows, dest, src)
+    if not os.path.exists(src):
+        raise FileNotFoundError(f"no such file: {src}")
+    if not src.endswith(".parquet"):
+        yield from ((f"{src}:{lineno}", row) for lineno, row in read_jsonl(src))
+        return
+    import pyarrow.parquet as pq
+    try:
+        rows = pq.read_table(src).to_pylist()  # nested columns as dicts and lists
+    except Exception as e:
+        raise ValueError(f"{src}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    yield from ((f"{src}: row {i}", row) for i, row in enumerate(rows))
+
+
+def read_qa(src: str, source: str = "") -> list:
+    """Every row of a QA source file as a checked QA row (qa_row, _checked); a bad or repeated row
+    raises ValueError naming the file and its line (jsonl) or row (parquet)."""
+    rows, first = [], {}
+    source = source or default_source(src)
+    for number, (where, raw) in enumerate(read_records(src)):
+        try:
+            row = _checked(qa_row(raw, number, source))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if row["id"] in first:
+            raise ValueError(f"{where}: duplicate id {row['id']!r}, first at {first[row['id']]}; "
+                             "ids key each question's sampling noise and must be unique")
+        first[row["id"]] = where
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{src}: no QA rows")
+    return rows
+
+
+def default_source(path: str) -> str:
+    """A file's data_source when its rows have none: the file's name, or its folder's where the name
+    is a split (FlashRAG's {dataset}/{split}.jsonl)."""
+    stem = os.path.basename(path).split(".")[0]
+    folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return folder if stem in ("train", "dev", "test", "val", "validation") and folder else stem
+
+
+def convert_qa(src: str, dest: str, source: str = "") -> int:
+    """A QA source file (read_qa) -> the project's QA jsonl at dest, written atomically (_write_qa);
+    returns its rows."""
+    if os.path.abspath(src) == os.path.abspath(dest):
+        raise ValueError(f"--out {dest} is the input file; write elsewhere")
+    return _write_qa(read_qa(src, source), dest, src)
 
 
 def write_val(test_files: dict, dest: str, per_source: int, seed: int = 0) -> int:
@@ -245,8 +344,10 @@ def gunzip_corpus(src: str, dest: str):
     """Decompress the corpus to dest through dest.partial (progress in compressed bytes)."""
     import gzip
     from tqdm import tqdm
-    with open(src, "rb") as raw, gzip.GzipFile(fileobj=raw) as fin, open(dest + ".partial", "wb") as fout, \
-            tqdm(total=os.path.getsize(src), unit="B", unit_scale=True, desc=f"gunzip {src}") as bar:
+    with open(src, "rb") as raw, gzip.GzipFile(fileobj=raw) as fin, \
+            open(dest + ".partial", "wb") as fout, \
+            tqdm(total=os.path.getsize(src), unit="B", unit_scale=True,
+                 desc=f"gunzip {src}") as bar:
         for block in iter(lambda: fin.read(1 << 24), b""):
             fout.write(block)
             bar.update(raw.tell() - bar.n)
@@ -310,9 +411,9 @@ def check_disk(out: str, need: dict, disk_free=None):
     if free < total:
         parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in need.items() if v)
         raise OSError(
-            f"not enough free disk space in {os.path.abspath(out)}: about {total / GiB:.1f} GiB needed "
-            f"({parts}, +1 GiB margin), {free / GiB:.1f} GiB free. Free some space or choose another --out"
-        )
+            f"not enough free disk space in {os.path.abspath(out)}: about {total / GiB:.1f} GiB "
+            f"needed ({parts}, +1 GiB margin), {free / GiB:.1f} GiB free. Free some space or "
+            "choose another --out")
 
 
 def searchr1_sources(out: str, index: str) -> list:
@@ -341,10 +442,9 @@ def prepare_searchr1(out: str, index: str = "prebuilt", encoder: str = "e5", rev
 
     index: "prebuilt" (Search-R1's E5 flat index, joined from its parts), "build" (encode the corpus
     here with `encoder`, retriever.build_index) or "none". fetch(repo, file, local_dir, revision) ->
-    path and
-    info(repo, files, revision) -> (commit, {file: {size, sha256, git_sha1}}) default to the hub (hub_fetch,
-    hub_info); tests pass stand-ins. expected_rows: {output: rows} to check (None: no check);
-    retries: automatic retries of a failed download. Returns the manifest."""
+    path and info(repo, files, revision) -> (commit, {file: {size, sha256, git_sha1}}) default to
+    the hub (hub_fetch, hub_info); tests pass stand-ins. expected_rows: {output: rows} to check
+    (None: no check); retries: automatic retries of a failed download. Returns the manifest."""
     import retriever
     from retrieval.index import META_FILE, describe_prebuilt
     if index not in ("prebuilt", "build", "none"):
@@ -391,10 +491,10 @@ def prepare_searchr1(out: str, index: str = "prebuilt", encoder: str = "e5", rev
     # 2. conversions, each written under a temporary name and renamed: an existing output is a
     # finished one
     if not os.path.exists(made["train"]):
-        convert_train(by["train"]["path"], made["train"])
+        convert_qa(by["train"]["path"], made["train"])
     for name in SR1_TESTS:
         if not os.path.exists(made[name]):
-            convert_flashrag(by[name]["path"], name, made[name])
+            convert_qa(by[name]["path"], made[name], name)
     val = os.path.join(out, "val.jsonl")
     if not os.path.exists(val):
         write_val({n: made[n] for n in SR1_TESTS}, val, val_per_source)
@@ -439,6 +539,80 @@ def prepare_searchr1(out: str, index: str = "prebuilt", encoder: str = "e5", rev
     return manifest
 
 
+# --- a world from the user's own corpus and questions (python -m worlds.data world) ---
+
+def split_questions(rows: list, test_fraction: float, seed: int = 0) -> tuple:
+    """(train, test): a seeded random test_fraction of the rows (at least one) held out; both keep
+    file order."""
+    n_test = max(1, round(test_fraction * len(rows)))
+    if not 0 < test_fraction < 1 or n_test >= len(rows):
+        raise ValueError(f"cannot hold out {test_fraction} of {len(rows)} question(s) and train on "
+                         "the rest: give more questions, another --test_fraction, or a test file")
+    held = set(np.random.default_rng(seed).permutation(len(rows))[:n_test].tolist())
+    return ([r for i, r in enumerate(rows) if i not in held],
+            [r for i, r in enumerate(rows) if i in held])
+
+
+def _point_index_at(index_dir: str, corpus: str):
+    """Record the corpus's final path in the index's meta.json (it was built in the temporary
+    folder; its relative path, which wins, is the same in both)."""
+    from retrieval.index import META_FILE
+    path = os.path.join(index_dir, META_FILE)
+    with open(path, encoding="utf-8") as f:
+        meta = json.load(f)
+    with open(path + ".partial", "w", encoding="utf-8") as f:
+        json.dump({**meta, "corpus": corpus}, f, indent=2)
+    os.replace(path + ".partial", path)
+
+
+def build_world(corpus: str, questions: list, out: str, encoder: str = "minilm",
+                test_fraction: float = 0.1, seed: int = 0, source: str = "") -> dict:
+    """A world folder from the user's files, which train_twice.py takes with `--world=out
+    --model=...` (it has no policy): corpus.jsonl (a copy; Search-R1's rows {"id", "contents"}, the
+    contents a quoted title line, then the text), train.jsonl and test.jsonl (questions = [train,
+    test] files, or one file split by split_questions; any format convert reads), index/
+    (retriever.build_index) and manifest.json (what went in). Every input row is checked before
+    anything is written; the folder is built in a temporary sibling and renamed into place at the
+    end, and an error removes it."""
+    import tempfile
+    import retriever
+    from retrieval.index import iter_corpus
+    if len(questions) not in (1, 2):
+        raise ValueError("--questions takes one file (split into train and test) or two: "
+                         "TRAIN,TEST")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(f"{out} exists and is not empty: remove it or choose another --out")
+    n_docs = sum(1 for _ in iter_corpus(corpus))  # checks every row, naming file:line
+    if not n_docs:
+        raise ValueError(f"{corpus}: no corpus rows")
+    qa = [read_qa(path, source) for path in questions]
+    parts = dict(zip(("train", "test"), qa if len(qa) == 2 else
+                     split_questions(qa[0], test_fraction, seed)))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a world is shared like any data folder
+    try:
+        shutil.copyfile(corpus, os.path.join(tmp, "corpus.jsonl"))
+        rows = {name: _write_qa(part, os.path.join(tmp, f"{name}.jsonl"),
+                                questions[-1] if name == "test" else questions[0])
+                for name, part in parts.items()}
+        index = os.path.join(tmp, "index")
+        retriever.build_index(os.path.join(tmp, "corpus.jsonl"), encoder, index)
+        _point_index_at(index, os.path.join(out, "corpus.jsonl"))
+        manifest = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "encoder": encoder,
+                    "corpus": os.path.abspath(corpus),
+                    "questions": [os.path.abspath(q) for q in questions],
+                    "test_fraction": test_fraction if len(questions) == 1 else None, "seed": seed,
+                    "rows": {"corpus": n_docs, **rows}}
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.rename(tmp, out)  # replaces an empty folder
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -460,7 +634,37 @@ def main(argv=None):
                     help="accept row counts that differ from Search-R1's")
     sr.add_argument("--val_per_source", type=int, default=VAL_PER_SOURCE,
                     help="questions per test set in val.jsonl")
+    cv = sub.add_parser("convert", help="a Search-R1 / verl parquet or FlashRAG jsonl -> QA jsonl")
+    wd = sub.add_parser("world", help="a world folder from your corpus and questions, no hub")
+    for p in (cv, wd):
+        p.add_argument("--data_source", default="",
+                       help="data_source of rows without one (default: the file's name, or its "
+                       "folder's for FlashRAG's {dataset}/{split}.jsonl)")
+    cv.add_argument("--input", required=True, help=".parquet (Search-R1 / verl) or .jsonl")
+    cv.add_argument("--out", required=True, help="the QA jsonl to write")
+    wd.add_argument("--corpus", required=True, help='Search-R1\'s jsonl: {"id", "contents"}, '
+                    "the contents a quoted title line, then the text")
+    wd.add_argument("--questions", required=True, help="QA.jsonl (split) or TRAIN,TEST; any "
+                    "format convert reads")
+    wd.add_argument("--encoder", default="minilm", help="minilm (a PyPI package, no hub), bm25 "
+                    "(no model), or any retriever.py build takes")
+    wd.add_argument("--out", required=True, help="the world folder (must not exist, or be empty)")
+    wd.add_argument("--test_fraction", type=float, default=0.1,
+                    help="questions held out as test.jsonl when one file is given")
+    wd.add_argument("--seed", type=int, default=0, help="seed of that split")
     args = parser.parse_args(argv)
+    try:
+        if args.command == "convert":
+            n = convert_qa(args.input, args.out, args.data_source)
+            print(f"{args.out}: {n} QA rows from {args.input}")
+        elif args.command == "world":
+            manifest = build_world(args.corpus, args.questions.split(","), args.out, args.encoder,
+                                   args.test_fraction, args.seed, args.data_source)
+            print(f"{args.out}: {manifest['rows']}; train with: python train_twice.py "
+                  f"--world={args.out} --model=MODEL")
+    except (ValueError, OSError) as e:
+        print(f"python -m worlds.data {args.command}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     if args.command == "searchr1":
         manifest = prepare_searchr1(args.out, args.index, args.encoder, args.revision,
                                     expected_rows=None if args.skip_row_check else SR1_ROWS,
