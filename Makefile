@@ -205,7 +205,7 @@ endif
 reproduce-3b reproduce-7b:
 	@$(MAKE) --no-print-directory $(if $(filter 1 yes true,$(DRY_RUN)),-n -B) reproduce SIZE=$(subst reproduce-,,$@)
 
-reproduce: install install-gpu $(tSR1)/manifest.json reproduce-models
+reproduce: install install-gpu cuda-check $(tSR1)/manifest.json reproduce-models
 	$(MAKE) --no-print-directory retriever-up
 	$(MAKE) --no-print-directory $(qRUN)-report.md || { $(MAKE) --no-print-directory retriever-down; exit 1; }
 	$(MAKE) --no-print-directory retriever-down
@@ -213,6 +213,12 @@ reproduce: install install-gpu $(tSR1)/manifest.json reproduce-models
 
 # faiss-gpu, and DeepSpeed for both presets' ZeRO-2 (requirements-gpu.txt)
 install-gpu: $(tVENV)/.installed-gpu
+
+# The first thing a GPU pipeline does: can torch use a GPU here (its CUDA build against the NVIDIA
+# driver)? One line and exit status 1 if not, before 80 GB of downloads (infra/cuda.py).
+.PHONY: cuda-check
+cuda-check: install
+	$(qPY) -m infra.cuda
 
 $(tVENV)/.installed-gpu: requirements-gpu.txt requirements-base.txt $(tVENV)/.installed
 	$(qPY) -m pip uninstall -y faiss-cpu
@@ -308,5 +314,5 @@ train-2nodes: install install-gpu
 memory: install
 	$(qPY) -m perf.ledger --write --jobs 2
 
-gpu-check: install
+gpu-check: install $(if $(findstring --tiny,$(ARGS)),,cuda-check)
 	$(qPY) -m perf.gpucheck --out runs/gpu_check.json $(ARGS)

@@ -48,7 +48,7 @@ import rollout
 import sampler
 import twice
 from generation import engine, logprobs
-from infra import adamw, checkpoint, config, console, lora, weights
+from infra import adamw, checkpoint, config, console, cuda, lora, weights
 
 
 @dataclass
@@ -115,6 +115,7 @@ class Config(methods.BaselineConfig):
     grad_clip: float = 1.0          # max global grad norm
     max_weight_growth: float = 100.0  # diverged when the weight norm passes this x its start
     bf16: bool = False              # bf16 autocast (GPU)
+    require_cuda: bool = False      # stop at once if no CUDA device (bf16 and DeepSpeed do too)
     gradient_checkpointing: bool = False  # trade compute for memory (real models)
     ref_offload: bool = False       # the reference waits in host memory but for its log-prob pass
     collective_timeout_h: float = 6.0  # hours a collective waits for a rank (torch: 10 min)
@@ -404,6 +405,7 @@ def setup(cfg: Config) -> Run:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
     qa_eval.check_inputs(cfg)  # data, index and model paths, before anything loads
+    cuda.require(cfg)  # a GPU run without a usable GPU: why (the driver?), in seconds
     n_micro = micro_batches(cfg)
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=cfg.collective_timeout_h))
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", kwargs_handlers=[timeout],

@@ -37,6 +37,7 @@ import torch
 
 from generation import engine
 from generation import kvcache
+from infra import cuda
 from perf import ledger
 from perf import memprobe
 from perf import memtrack
@@ -199,8 +200,8 @@ def main(argv=None):
         help="also the engine's figure at the 3B preset's shape and batch (bench_engine.engine_gpu)"
     )
     args = parser.parse_args(argv)
-    if not args.tiny and not torch.cuda.is_available():
-        parser.error("no CUDA device: run with --tiny for the CPU version")
+    if not args.tiny and cuda.diagnose():
+        parser.error(f"{cuda.diagnose()}; --tiny runs the CPU version")
     if not (args.layers >= 1 and args.prompts >= 1 and args.steps >= 1 and 0 < args.fraction <= 1):
         parser.error("--layers, --prompts, --steps >= 1 and --fraction in (0, 1]")
     t0 = time.time()
