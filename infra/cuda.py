@@ -19,8 +19,8 @@ import sys
 # CUDA major version of a torch build -> the oldest driver branch that runs it (NVIDIA, "CUDA
 # Compatibility": minor version compatibility, Table 1)
 DRIVER_FLOOR = {11: 450, 12: 525, 13: 580}
-FIX = ("update the NVIDIA driver, or install a torch build for the CUDA it has (requirements-gpu.txt "
-       "says how)")
+FIX = ("update the NVIDIA driver, or install a torch build for the CUDA it has "
+       "(requirements-gpu.txt says how)")
 
 
 def driver_version() -> str:
@@ -34,8 +34,8 @@ def driver_version() -> str:
         pass
     if shutil.which("nvidia-smi"):
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20).stdout.split()
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.split()
             return out[0] if out else ""
         except (OSError, subprocess.TimeoutExpired):
             return ""
