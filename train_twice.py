@@ -110,7 +110,7 @@ class Config(methods.BaselineConfig):
     kl_coef: float = 0.001          # k3 KL to the frozen reference (Search-R1: low_var_kl 0.001)
     entropy_coef: float = 0.0       # entropy bonus coefficient
     ppo_epochs: int = 1             # passes over each batch
-    mini_batches: int = 1           # optimizer steps per pass (Search-R1: 512 x 5 / 256 = 10)
+    mini_batches: int = 1           # optimizer steps per pass (Search-R1's code: 10; DESIGN.md 10)
     micro_batch_size: int = 8       # sequences per forward/backward (gradients accumulate)
     grad_clip: float = 1.0          # max global grad norm
     max_weight_growth: float = 100.0  # diverged when the weight norm passes this x its start

@@ -342,7 +342,7 @@ def test_accelerate_configs_and_gpu_requirements():
     plugin.fill_match("gradient_accumulation_steps", must_match=False, gradient_accumulation_steps=n_micro)
     resolved = plugin.deepspeed_config
     assert (resolved["bf16"]["enabled"], resolved["fp16"]["enabled"], resolved["gradient_accumulation_steps"]) == \
-        (True, False, 8)
+        (True, False, 40)
     req = [line.split("#")[0].strip() for line in open(os.path.join(ROOT, "requirements-gpu.txt"))]
     assert "-r requirements-base.txt" in req and "faiss-gpu==1.15.1" in req
     assert any(line.startswith("deepspeed==0.") for line in req)
