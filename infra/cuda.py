@@ -96,7 +96,8 @@ def require(cfg):
         found = diagnose()
         if found:
             raise ValueError(f"this run needs a CUDA GPU ({why}): {found}; on a CPU, pass "
-                             "--bf16=false without DeepSpeed")
+                             "--bf16=false without DeepSpeed (or ACCELERATE_USE_CPU=true for bf16 "
+                             "on the CPU)")
 
 
 def main(argv=None) -> int:

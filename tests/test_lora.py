@@ -103,7 +103,9 @@ def fresh_accelerate_state():
 def test_a_bf16_lora_run_holds_a_bf16_base_and_its_reference_is_full_fine_tunings(tiny_world, tmp_path, monkeypatch,
                                                                                    fresh_accelerate_state):
     """bf16 on (CPU autocast): the frozen base is bf16, the adapters float32, the weights' bytes are memory_bytes';
-    the reference log-probs of step 1 equal those of the bf16 reference model full fine-tuning loads."""
+    the reference log-probs of step 1 equal those of the bf16 reference model full fine-tuning loads. A bf16 run on a
+    CPU is asked for by name (ACCELERATE_USE_CPU), as infra/cuda.py wants: bf16 alone reads as a GPU run."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     cfg = tiny_cfg(tiny_world, str(tmp_path / "unused"), *LORA, "--bf16")
     run = tt.setup(cfg)
     policy = run.accel.unwrap_model(run.policy)
