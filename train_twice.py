@@ -48,7 +48,7 @@ import rollout
 import sampler
 import twice
 from generation import engine, logprobs
-from infra import adamw, checkpoint, config, console, cuda, lora, weights
+from infra import adamw, checkpoint, config, console, cuda, lora, watchdog, weights
 
 
 @dataclass
@@ -119,6 +119,7 @@ class Config(methods.BaselineConfig):
     gradient_checkpointing: bool = False  # trade compute for memory (real models)
     ref_offload: bool = False       # the reference waits in host memory but for its log-prob pass
     collective_timeout_h: float = 6.0  # hours a collective waits for a rank (torch: 10 min)
+    rank_timeout_s: float = 45.0    # a rank failed, killed or silent this long stops all (0 = off)
     # --- lora (DESIGN 6, infra/lora.py): adapters W' = W + (alpha / r) B A, not every weight ---
     lora_rank: int = 0              # r, rank of the adapters; 0 = off: full fine-tuning
     lora_alpha: float = 32.0        # alpha: the adapters' update is scaled by alpha / r
@@ -153,7 +154,7 @@ class Config(methods.BaselineConfig):
                     "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0, "kl_coef": 0,
                     "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0, "keep_checkpoints": 0,
-                    "log_episodes": 0, "sync_every": 1}
+                    "log_episodes": 0, "sync_every": 1, "rank_timeout_s": 0}
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1,
                  "collective_timeout_h": 0}
         unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
@@ -399,7 +400,7 @@ def micro_batches(cfg: Config) -> int:
     return math.ceil(per_rank // cfg.mini_batches / cfg.micro_batch_size)
 
 
-def setup(cfg: Config) -> Run:
+def setup(cfg: Config, watch: bool = False) -> Run:
     """Accelerator, policy (fp32 master weights; bf16 under DeepSpeed, which keeps its own fp32
     master partition), frozen reference, optimizer, retriever, data."""
     from accelerate import Accelerator
@@ -410,6 +411,7 @@ def setup(cfg: Config) -> Run:
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=cfg.collective_timeout_h))
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", kwargs_handlers=[timeout],
                         gradient_accumulation_steps=n_micro, cpu=not torch.cuda.is_available())
+    watchdog.start(cfg.rank_timeout_s if watch else 0)  # watch (a run): one rank fails, all stop
     if accel.device.type == "cpu":  # the same figures on every x86-64 CPU (DESIGN.md section 9)
         numerics.require("this CPU training run")
     if cfg.lora_rank and accel.distributed_type == "DEEPSPEED":  # its save_state saves every weight
@@ -451,12 +453,12 @@ def main(cfg: Config):
     # Set before the first CUDA allocation: blocks of every size share growable segments, so the
     # caches that grow and shrink every step leave no fragments (DESIGN.md section 10).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    with checkpoint.run_folder(cfg, int(os.environ.get("RANK", "0")) == 0):
+    with checkpoint.run_folder(cfg, int(os.environ.get("RANK", "0")) == 0), watchdog.reporting():
         return train(cfg)
 
 
 def train(cfg: Config):
-    run = setup(cfg)
+    run = setup(cfg, watch=True)
     accel = run.accel
     eval_rows = [r for path in cfg.eval_data.split(",") if path for r in qa_eval.load_qa(path)]
     start = checkpoint.load(cfg, run) if cfg.resume else 0

@@ -231,6 +231,7 @@ RESUME_FREE = {
     "wandb_project",
     # ref_offload: where the reference waits, no number changes
     "collective_timeout_h",
+    "rank_timeout_s",
     "ref_offload"
 }
 

@@ -18,7 +18,8 @@ MAX_TOP_LEVEL_OTHERS = 8  # the method's own modules beside the entry points
 # builder, the lab, the instruments) import the method; nothing in the method imports them.
 ORDER = [
     "infra", "generation", "retrieval", "worlds", "lab", "perf",  # folder docstrings: they import nothing
-    "infra.config", "infra.cuda", "infra.numerics", "infra.adamw", "infra.weights", "protocol", "sampler",
+    "infra.config", "infra.cuda", "infra.watchdog", "infra.numerics", "infra.adamw", "infra.weights", "protocol",
+    "sampler",
     "generation.stops", "generation.rows", "generation.kvcache", "generation.engine", "generation.logprobs",
     "credit", "retrieval.index", "retrieval.dense", "retrieval.bm25", "retriever",
     "rollout", "forks", "twice", "eval", "infra.lora", "infra.checkpoint", "infra.console",
