@@ -188,6 +188,7 @@ EST_data     := ~70 GB download (e5_Flat.index 64.6 GB, wiki-18.jsonl.gz ~4-5 GB
 EST_models_3b := Qwen2.5-3B 6.2 GB + e5-base-v2 0.4 GB into the HF cache, minutes
 EST_models_7b := Qwen2.5-7B 15.2 GB + e5-base-v2 0.4 GB into the HF cache, minutes
 EST_server   := 64.6 GB of vectors sharded over the GPUs (~8 GB each) + E5 on one GPU: loads in ~5-10 min
+EST_smoke    := 3 steps and 2 evaluations of the 700 validation questions, 2 model loads: ~20-40 min (derived)
 EST_grpo_3b  := ~40-60 h on 8 x H100 (~350-500 GPU-h); checkpoints 3 x ~49 GB + 6 GB bf16 export = ~154 GB
 EST_twice_3b := ~60-85 h on 8 x H100 (~500-700 GPU-h); checkpoints 3 x ~49 GB + 6 GB bf16 export = ~154 GB
 EST_grpo_7b  := ~100-135 h on 8 x H100 (~800-1100 GPU-h); checkpoints 3 x ~122 GB + 15 GB bf16 export = ~381 GB
@@ -258,11 +259,24 @@ define train_run
 	touch $(call q,$(1))/DONE
 endef
 
-$(tRUN)-grpo/DONE:
+# The smoke stage, before the long runs: the TWICE preset on every GPU with the server up for 2 steps, a save, a
+# resume for 1 more step, then each phase's GPU memory per rank against the ledger (perf/smoke.py, RUN-smoke/smoke.md).
+# A phase over the ledger by more than 10%, or a resume that does not continue, stops the pipeline here.
+SMOKE = $(call q,$(ACCEL)) launch --config_file $(ACCEL_CFG_$(SIZE)) train_twice.py configs/qwen2.5-$(SIZE).cfg \
+	  --out_dir=$(qRUN)-smoke --retriever_url=$(URL)
+$(tRUN)-smoke/DONE:
+	$(info == smoke: the preset for 2 steps, a save, a resume and 1 more step; memory per phase against the ledger: $(EST_smoke))
+	rm -rf $(qRUN)-smoke
+	$(SMOKE) --steps=2
+	$(SMOKE) --steps=3 --resume=$(qRUN)-smoke/step_000002
+	$(qPY) -m perf.smoke $(qRUN)-smoke --size $(SIZE)
+	touch $(call q,$@)
+
+$(tRUN)-grpo/DONE: $(tRUN)-smoke/DONE
 	$(info == step 4/7 GRPO run (--omega=0) $(RUN)-grpo: $(EST_grpo_$(SIZE)))
 	$(call train_run,$(RUN)-grpo,--omega=0)
 
-$(tRUN)-twice/DONE:
+$(tRUN)-twice/DONE: $(tRUN)-smoke/DONE
 	$(info == step 5/7 TWICE run $(RUN)-twice: $(EST_twice_$(SIZE)))
 	$(call train_run,$(RUN)-twice,)
 

@@ -33,7 +33,6 @@ import datetime
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +47,7 @@ import rollout
 import sampler
 import twice
 from generation import engine, logprobs
-from infra import adamw, checkpoint, config, console, cuda, lora, watchdog, weights
+from infra import adamw, checkpoint, config, console, cuda, lora, phases, watchdog, weights
 
 
 @dataclass
@@ -280,7 +279,7 @@ def check_finite(accel, total, step: int):
 # One step: the method, in the order of the docstring
 
 def train_step(cfg: Config, run: Run, step: int) -> dict:
-    accel, times = run.accel, {"start": time.time()}
+    accel, times = run.accel, phases.Phases()  # each phase's seconds and, on a GPU, its memory
     policy = accel.unwrap_model(run.policy)
     policy.eval()
     proto = protocol.protocol_from(cfg)
@@ -296,7 +295,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
             episodes = run.method.rollout(run, step, prompts, proto)
             batch = rollout.collate(episodes, run.tok.pad_token_id, cfg.max_context)
             batch = {k: v.to(accel.device) for k, v in batch.items()}
-            times["rollout"] = time.time()
+            times.mark("rollout")
 
             # 2.-6. Token advantages: TWICE's twin credit (twice.py), or the baseline's own.
             with accel.autocast() if run.method.autocast else contextlib.nullcontext():
@@ -307,7 +306,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
             engine.free_cache(run.sampler)
             run.sampler = None
             rollout.release_caches(episodes)
-        times["twins"] = time.time()
+        times.mark("twins")
         run.episode_log = checkpoint.episode_rows(step, episodes, stats.get("twins", []),
                                                   cfg.log_episodes, accel.num_processes) \
             if accel.is_main_process else []
@@ -320,6 +319,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
             with lora.reference(run) as ref, weights.on_device(ref, accel.device):
                 ref_lp, _ = logprobs.batch_logprobs(ref, batch, cfg.temperature,
                                                     cfg.micro_batch_size, False, cfg.max_context)
+    times.mark("logprobs")
 
     # 7. PPO-clip update with the k3 KL to the reference.
     run.policy.train()
@@ -330,14 +330,11 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     norm = weights.weight_norm(accel, run.policy)
     if not math.isfinite(norm) or norm > cfg.max_weight_growth * run.weight_norm0:
         raise diverged(step, "weight norm", f"{norm:.4g} (initial {run.weight_norm0:.4g})")
-    now = time.time()
+    times.mark("update")
     metrics = {"step": step, **batch_totals(accel, episodes, batch, ent), "lr": lr,
                "sigma": run.sigma_hat.value, "weight_norm": norm, **update}
     metrics.update(run.method.step_stats(accel, stats, metrics["factual_tokens"]))
-    metrics.update({"time_rollout": times["rollout"] - times["start"],
-                    "time_twins": times["twins"] - times["rollout"],
-                    "time_update": now - times["twins"],
-                    "time": now - times["start"]})
+    metrics.update(times.metrics(accel))
     return metrics
 
 

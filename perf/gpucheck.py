@@ -20,8 +20,8 @@ out-of-memory error happen anyway, it is the JSON's result.
 Measured per phase: torch.cuda.max_memory_allocated from the phase's start (on the CPU:
 memtrack.Tracker's live storages), against the ledger's allocated bytes; the allocator's reserved
 bytes and the device's used memory (torch.cuda.mem_get_info) for the slack and the context the
-ledger estimates; generated tokens per second over rollout and twins; the update's seconds (log-prob
-passes, forward and backward, optimizer step); the slot caches and KV entries still alive after the
+ledger estimates; generated tokens per second over rollout and twins; the log-prob passes' seconds
+and the update's (forward and backward, optimizer step); the slot caches and KV entries alive after the
 step (none may be). Then, on a GPU, the engine's own figure at the 3B preset's full shape and batch
 (bench_engine.engine_gpu: tokens/s with and without CUDA graphs), if its model, slot cache and
 decode step fit --fraction of the free memory (--no-engine: skipped).
@@ -222,7 +222,7 @@ def main(argv=None):
         m = got["metrics"]
         out["tokens_per_s"] = (m["factual_tokens"] + m.get("twin_tokens", 0)) / (m["time_rollout"] +
                                                                                  m["time_twins"])
-        out["update_s"] = m["time_update"]
+        out["logprobs_s"], out["update_s"] = m["time_logprobs"], m["time_update"]
         out["step"] = {k: m.get(k) for k in ("factual_tokens", "twin_tokens", "twins", "turns")}
         out["held_after_step"] = got["held_after_step"]
         for phase in ledger.PHASES:

@@ -264,11 +264,19 @@ def adamw_step(cfg, numels, dtype=torch.float32) -> dict:
 
 # wiki-18 passages x E5 dims: the flat index the retriever server shards over the GPUs
 WIKI18 = (21_015_324, 768)
-# the server's FAISS scratch (dense.FAISS_TEMP), its CUDA context on each GPU and E5 on the first:
+# the server's FAISS memory beside its shard: the scratch stack (dense.FAISS_TEMP, 0.5 GiB) and the
+# brute-force search's distance tiles, which FAISS sizes to 1 GiB on a GPU over 8 GB whatever the
+# stack holds ("we ignore available temporary memory": chooseTileSize in faiss/gpu/impl/Distance.cu)
+# and allocates beside it when they do not fit; its CUDA context on each GPU and E5 on the first:
 # estimates (perf/gpucheck.py measures)
-SERVER_GIB = {"temp": 0.5, "context": 0.5, "encoder": 0.5}
-# the training process's CUDA context, cuBLAS workspaces and NCCL buffers: estimate
-CONTEXT_GIB = 1.5
+SERVER_GIB = {"temp": 0.5 + 1.0, "context": 0.5, "encoder": 0.5}
+# The training process's memory outside torch's allocator, budgeted high until a lent 8-GPU node
+# measures it (perf/gpucheck.py): the CUDA context (~0.5 GiB with lazy module loading), cuBLAS
+# workspaces, NCCL's ring and tree buffers for the one world communicator (~1.6 GB reported for
+# one communicator with an all-reduce: github.com/NVIDIA/nccl/issues/864), and NVLink SHARP's
+# buffers on an NVSwitch node (NCCL's own log on 8 x H200: nvlsTotalSize 2,415,919,104 B = 2.25
+# GiB, github.com/vllm-project/vllm/issues/9699; NCCL_NVLS_ENABLE=0 saves it)
+CONTEXT_GIB = {"cuda_context": 0.5, "cublas": 0.25, "nccl": 1.0, "nvls": 2.25}
 # allocator: reserved but not allocated, with expandable segments: estimate
 SLACK = 0.05
 
@@ -530,7 +538,7 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
         cats["activations"] = part("other") + part("activations") + act[phase]
         allocated = sum(cats.values())
         cats["retriever"] = retriever_bytes(world) if retriever else 0
-        cats["context"] = CONTEXT_GIB * GIB
+        cats["context"] = sum(CONTEXT_GIB.values()) * GIB
         cats["slack"] = SLACK * allocated
         phases[phase] = {"total_gib": sum(cats.values()) / GIB, "allocated_gib": allocated / GIB,
                          "gib": {c: cats[c] / GIB for c in CATEGORIES}}

@@ -77,7 +77,8 @@ from retrieval.index import (INDEX_FILE, MAX_LENGTH, META_FILE, OFFSETS_FILE, _c
                              read_flat_index, resolve_encoder)
 
 CANDIDATE_MARGIN = 16  # extra FAISS candidates re-scored exactly, Determinism (2)
-FAISS_TEMP = 512 << 20  # bytes of scratch per GPU for FAISS's brute-force search (default 1.5 GiB)
+FAISS_TEMP = 512 << 20  # bytes of scratch per GPU for FAISS's brute-force search (default 1.5 GiB;
+#                        its distance tiles, 1 GiB, are allocated beside it: perf/ledger.SERVER_GIB)
 PACK_TOKENS = 128  # token rows of every packed query forward, Determinism (1a); per token within
 #                   ~6% of 256 or 512 on CPU, and half their cost for a query alone
 QUERY_ROWS = 8  # rows of every padded query forward, Determinism (1b)

@@ -18,7 +18,8 @@ MAX_TOP_LEVEL_OTHERS = 8  # the method's own modules beside the entry points
 # builder, the lab, the instruments) import the method; nothing in the method imports them.
 ORDER = [
     "infra", "generation", "retrieval", "worlds", "lab", "perf",  # folder docstrings: they import nothing
-    "infra.config", "infra.cuda", "infra.watchdog", "infra.numerics", "infra.adamw", "infra.weights", "protocol",
+    "infra.config", "infra.cuda", "infra.watchdog", "infra.phases", "infra.numerics", "infra.adamw", "infra.weights",
+    "protocol",
     "sampler",
     "generation.stops", "generation.rows", "generation.kvcache", "generation.engine", "generation.logprobs",
     "credit", "retrieval.index", "retrieval.dense", "retrieval.bm25", "retriever",
@@ -28,7 +29,7 @@ ORDER = [
     "worlds.lock", "worlds.base", "worlds.tiny", "worlds.chains", "worlds.build", "worlds.data",
     "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark",
     "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_server", "perf.bench",
-    "perf.gpucheck", "perf.probe", "perf.cpucheck",
+    "perf.gpucheck", "perf.smoke", "perf.probe", "perf.cpucheck",
 ]
 LONG_LINE, LONG_LINE_SHARE = 100, 0.10  # characters; share of code lines allowed past it
 MAX_MODULE_LINES = 700

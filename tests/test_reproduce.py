@@ -360,6 +360,9 @@ def test_make_reproduce_dry_run_prints_every_step_and_runs_nothing(tmp_path, siz
     launch = f"accelerate launch --config_file configs/{accel} train_twice.py configs/qwen2.5-{size}.cfg"
     steps = ["-m infra.cuda", f"-m worlds.data searchr1 --out {sr1}", f"hf download Qwen/Qwen2.5-{size.upper()}",
              f"-m retrieval.server serve --index {sr1}/index",
+             f"{launch} --out_dir={run}-smoke --retriever_url=http://127.0.0.1:8000/retrieve --steps=2",
+             f"{launch} --out_dir={run}-smoke --retriever_url=http://127.0.0.1:8000/retrieve --steps=3 "
+             f"--resume={run}-smoke/step_000002", f"-m perf.smoke {run}-smoke --size {size}",
              f"{launch} --out_dir={run}-grpo --retriever_url=http://127.0.0.1:8000/retrieve --omega=0",
              f"{launch} --out_dir={run}-twice --retriever_url=http://127.0.0.1:8000/retrieve",
              f"eval.py --model $policy --data {sr1}/test/$t.jsonl --retriever_url http://127.0.0.1:8000/retrieve",

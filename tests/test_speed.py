@@ -131,6 +131,9 @@ def test_bench_gpu_runs_at_a_tiny_size(tiny_world, capsys):
     assert qa_eval.load_policy is loader  # the random-model loader must not leak into later tests
     (m,) = result["steps"]
     assert m["factual_tokens"] > 0 and m["time_update"] > 0 and np.isfinite(m["loss"])
+    parts = ("time_rollout", "time_twins", "time_logprobs", "time_update")  # infra/phases.py, in order
+    assert all(m[k] > 0 for k in parts) and abs(sum(m[k] for k in parts) - m["time"]) < 1e-6
+    assert not [k for k in m if k.startswith(("mem_", "used_"))]  # GPU memory figures: none on a CPU
     assert "tok/s" in capsys.readouterr().out
 
 
