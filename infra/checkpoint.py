@@ -76,6 +76,10 @@ def save(cfg, run, step: int, last: bool = False) -> str:
             accel.save_state(os.path.join(tmp, "trainer"))
             if accel.is_main_process:
                 _write_checkpoint(cfg, run, step, last, tmp)
+        # every rank's own files (its RNG state) are in before rank 0 renames the folder: a slower
+        # rank on another machine wrote into a renamed step_N.tmp once ("Parent directory ... does
+        # not exist", the two-machine test)
+        accel.wait_for_everyone()
     except BaseException:  # Ctrl-C or an error mid-write: no half-written folder is left behind
         if accel.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
