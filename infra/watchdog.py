@@ -11,7 +11,7 @@ TCPStore at MASTER_ADDR:MASTER_PORT that torch.distributed met at): every `beat`
 up its own heartbeat and reads the others'. It stops its process (one line on stderr, exit status 1,
 the pid's other threads with it) when
 - another rank reported a failure: the failing rank writes its exception to the store before its
-  own exit (`Watchdog.fail`), so the others name it;
+  own exit (`Watchdog.fail`; the run's first report stays), so the others name it;
 - another rank's heartbeat has not moved for `timeout_s` seconds (killed, frozen, or its node gone),
   or the store itself has not answered for that long (the node that hosted it is gone).
 A rank that ends its run says so (`Watchdog.stop`), and is not waited for. The heartbeats are read
@@ -21,7 +21,8 @@ with the reader's clock only, so the nodes' clocks need not agree. One process: 
         ...watchdog.start(timeout_s) # train_twice.setup, once the ranks have met
         ...                          # the run; the watch ends with the block
 
-Costs: one store round trip a second per rank; nothing in the training loop. The limit: a rank
+Costs: three store round trips a second per rank, whatever the world size; nothing in the training
+loop. The limit: a rank
 whose Python holds the GIL for `timeout_s` without a pause would look stuck (torch.save and load
 of 2 GiB, safetensors, matmuls and sorts of seconds leave the beat on time: RESULTS.md
 "Reliability"); `rank_timeout_s = 0` turns the watchdog off.
@@ -49,28 +50,36 @@ class Watchdog:
             self.thread = threading.Thread(target=self._watch, name="twice-watchdog", daemon=True)
             self.thread.start()
 
-    def _key(self, what: str, rank: int) -> str:
-        return f"{self.prefix}/{what}/{rank}"
+    def _key(self, what: str, rank=None) -> str:
+        return f"{self.prefix}/{what}" + ("" if rank is None else f"/{rank}")
 
     def _call(self, fn, *args):
         with self.lock:  # one connection, shared with fail() and stop() on the main thread
             return fn(*args)
 
     def _watch(self):
+        """Each beat three round trips whatever the world size: this rank's count up, the run's
+        failure report, every other rank's count and end mark at once."""
         others = [r for r in range(self.world) if r != self.rank]
+        keys = [self._key(what, r) for what in ("beat", "done") for r in others]
         seen = {r: (-1, time.monotonic()) for r in others}  # last count, when it last moved
-        answered = time.monotonic()
+        answered, ready = time.monotonic(), False
         while not self.halt.wait(self.beat):
             now = time.monotonic()
             try:
+                if not ready:  # counters exist before any rank reads them (add 0 makes a key)
+                    for key in keys + [self._key("done", self.rank)]:
+                        self._call(self.store.add, key, 0)
+                    ready = True
                 self._call(self.store.add, self._key("beat", self.rank), 1)
-                for r in others:
-                    if self._call(self.store.check, [self._key("failed", r)]):
-                        why = self._call(self.store.get, self._key("failed", r)).decode()
-                        return self._stop(f"rank {r} failed: {why}")
-                    if self._call(self.store.check, [self._key("done", r)]):
+                if self._call(self.store.check, [self._key("failed")]):
+                    rank, why = self._call(self.store.get, self._key("failed")).decode().split("\t", 1)
+                    if int(rank) != self.rank:
+                        return self._stop(f"rank {rank} failed: {why}")
+                values = [int(v) for v in self._call(self.store.multi_get, keys)]
+                for r, count, done in zip(others, values, values[len(others):]):
+                    if done:
                         continue
-                    count = self._call(self.store.add, self._key("beat", r), 0)
                     if count != seen[r][0]:
                         seen[r] = (count, now)
                     elif now - seen[r][1] > self.timeout_s:
@@ -90,26 +99,24 @@ class Watchdog:
         self.exit(1)
 
     def fail(self, error: BaseException):
-        """This rank is failing: tell the others (best effort) before it exits."""
+        """This rank is failing: tell the others before it exits. The run's first report stays
+        (a later one is usually a consequence of it); a report that cannot be written leaves the
+        others the heartbeat's silence."""
         if self.thread is None:
             return
         text = f"{type(error).__name__}: {error}".splitlines()[0][:500] if str(error) \
             else type(error).__name__
-        try:
-            self._call(self.store.set, self._key("failed", self.rank), text)
-        except Exception:
-            pass  # the others still see the heartbeat stop
+        with contextlib.suppress(Exception):
+            self._call(self.store.compare_set, self._key("failed"), "", f"{self.rank}\t{text}")
 
     def stop(self):
         """This rank's run has ended (or failed, after fail()): the thread ends, the others stop
-        waiting for this rank's heartbeat."""
-        if self.thread is None:
+        waiting for this rank's heartbeat (best effort: a store already gone has no one to tell)."""
+        if self.thread is None or self.halt.is_set():
             return
         self.halt.set()
-        try:
-            self._call(self.store.set, self._key("done", self.rank), "1")
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):
+            self._call(self.store.add, self._key("done", self.rank), 1)
         self.thread.join(timeout=5 * self.beat)
 
 

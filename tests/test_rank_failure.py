@@ -5,7 +5,8 @@ failure on rank 1 only, by patching the function of that phase: an exception (an
 SIGKILL, or a SIGSTOP (a rank alive but stuck: no launcher notices that, only infra/watchdog.py). The driver writes
 the time of the injection; the test asserts the launcher has returned non-zero within 60 s of it and that the
 output names the failure. Nothing of this is in train_twice: the patching is the driver's, and the watchdog costs a
-store round trip a second."""
+few store round trips a second."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -79,10 +80,8 @@ def test_a_failure_on_one_rank_stops_both_within_a_minute(tiny_world, tmp_path, 
     finally:  # a test that failed leaves no process behind (SIGSTOPped ones included)
         if proc.poll() is None:
             for pid in open(f"{mark}.pids").read().split() if os.path.exists(f"{mark}.pids") else []:
-                try:  # the workers first: they hold the launcher's pipes open
+                with contextlib.suppress(ProcessLookupError):  # the workers first: they hold the pipes open
                     os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     ended = time.time()

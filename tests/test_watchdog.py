@@ -114,11 +114,12 @@ def test_reporting_tells_the_others_and_ends_the_watch(monkeypatch):
             mine = watchdog.start(TIMEOUT)
             raise RuntimeError("in the update")
     assert exits.event.wait(3) and exits.seen[0][:2] == (0, 1) and not mine.thread.is_alive()
-    assert store.get("twice/watchdog/0/failed/1") == b"RuntimeError: in the update"
+    assert store.get("twice/watchdog/0/failed") == b"1\tRuntimeError: in the update"  # the reporter, its error
     other.stop()
+    ended = store.add("twice/watchdog/0/done/1", 0)  # rank 1's end marks so far (the failed run's)
     with watchdog.reporting():
         mine = watchdog.start(TIMEOUT)
-    assert not mine.thread.is_alive() and store.check(["twice/watchdog/0/done/1"])
+    assert not mine.thread.is_alive() and store.add("twice/watchdog/0/done/1", 0) == ended + 1
 
 
 def test_each_launch_attempt_has_its_own_keys(monkeypatch):
