@@ -175,6 +175,7 @@ HEALTH   = $(qPY) -c "import requests; requests.get('http://$(RHOST):$(PORT)/hea
 TESTS   := nq triviaqa popqa hotpotqa 2wikimultihopqa musique bamboogle
 RUN      = $(RUNS)/qwen2.5-$(SIZE)
 qRUNS    = $(call q,$(RUNS))
+tRUNS    = $(call t,$(RUNS))
 qSR1     = $(call q,$(SR1))
 tSR1     = $(call t,$(SR1))
 qRUN     = $(call q,$(RUN))
@@ -188,6 +189,7 @@ EST_data     := ~70 GB download (e5_Flat.index 64.6 GB, wiki-18.jsonl.gz ~4-5 GB
 EST_models_3b := Qwen2.5-3B 6.2 GB + e5-base-v2 0.4 GB into the HF cache, minutes
 EST_models_7b := Qwen2.5-7B 15.2 GB + e5-base-v2 0.4 GB into the HF cache, minutes
 EST_server   := 64.6 GB of vectors sharded over the GPUs (~8 GB each) + E5 on one GPU: loads in ~5-10 min
+EST_node     := a 4-layer model, 4M random vectors: ~2-5 min (derived)
 EST_smoke    := 3 steps and 2 evaluations of the 700 validation questions, 2 model loads: ~20-40 min (derived)
 EST_grpo_3b  := ~40-60 h on 8 x H100 (~350-500 GPU-h); checkpoints 3 x ~49 GB + 6 GB bf16 export = ~154 GB
 EST_twice_3b := ~60-85 h on 8 x H100 (~500-700 GPU-h); checkpoints 3 x ~49 GB + 6 GB bf16 export = ~154 GB
@@ -206,7 +208,7 @@ endif
 reproduce-3b reproduce-7b:
 	@$(MAKE) --no-print-directory $(if $(filter 1 yes true,$(DRY_RUN)),-n -B) reproduce SIZE=$(subst reproduce-,,$@)
 
-reproduce: install install-gpu cuda-check $(tSR1)/manifest.json reproduce-models
+reproduce: install install-gpu cuda-check $(tRUNS)/node_check.json $(tSR1)/manifest.json reproduce-models
 	$(MAKE) --no-print-directory retriever-up
 	$(MAKE) --no-print-directory $(qRUN)-report.md || { $(MAKE) --no-print-directory retriever-down; exit 1; }
 	$(MAKE) --no-print-directory retriever-down
@@ -225,6 +227,13 @@ $(tVENV)/.installed-gpu: requirements-gpu.txt requirements-base.txt $(tVENV)/.in
 	$(qPY) -m pip uninstall -y faiss-cpu
 	$(qPY) -m pip install -r requirements-gpu.txt
 	touch $(call q,$@)
+
+# Minutes on every GPU before 80 GB of downloads: NCCL, a ZeRO-2 step, FAISS shards beside it (perf/nodecheck.py)
+$(tRUNS)/node_check.json: | $(tVENV)/.installed-gpu
+	$(info == node check on $(NGPU) GPUs: all-reduce, ZeRO-2 step, index shards, against the ledger: $(EST_node))
+	mkdir -p $(qRUNS)
+	$(NODE_CHECK) --nproc_per_node $(NGPU) -m perf.nodecheck --out $(qRUNS)/node_check.failed.json
+	mv $(qRUNS)/node_check.failed.json $(qRUNS)/node_check.json
 
 $(tSR1)/manifest.json:
 	$(info == step 1/7 data: $(EST_data))
@@ -324,9 +333,13 @@ train-2nodes: install install-gpu
 # CPU thread); `make memory` rewrites memory.json and README's table. The first-GPU check: the ledger's prediction
 # against one GPU's allocator, decode tokens/s and one update's time, in runs/gpu_check.json (<= 8 minutes; ARGS=--tiny:
 # the same code on the CPU, <= 2 minutes).
+# GPUS=8: then the node check (perf/nodecheck.py: NCCL all-reduce, a ZeRO-2 step, the index shards on every GPU)
+GPUS       ?= 1
+NODE_CHECK  = $(qVENV)/bin/torchrun --standalone
 .PHONY: memory gpu-check
 memory: install
 	$(qPY) -m perf.ledger --write --jobs 2
 
 gpu-check: install $(if $(findstring --tiny,$(ARGS)),,cuda-check)
 	$(qPY) -m perf.gpucheck --out runs/gpu_check.json $(ARGS)
+	$(if $(filter-out 1,$(GPUS)),$(NODE_CHECK) --nproc_per_node $(GPUS) -m perf.nodecheck --out runs/node_check.json)

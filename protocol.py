@@ -147,6 +147,9 @@ class Protocol:
     #                               "generate": model.generate per turn
     sync_every: int = 16          # cached engine: decode steps between read-backs of the
     #                               sampled tokens (host syncs)
+    kv_budget_gib: float = 0.0    # cached engine: KV cache entries held at once (GiB; 0 = no
+    #                               cap); over it episodes wait a turn and kept caches are
+    #                               dropped (generation/kvbudget.py: the same tokens)
     cuda_graphs: bool = False     # cached engine on CUDA: replay the decode step as CUDA
     #                               graphs (one per shape)
     line_keys: str = "group"      # reading of "line" in the key tuple: "group" (the sample's line

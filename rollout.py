@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 import credit
+from generation import kvbudget
 from generation.engine import generate_turn
 from protocol import (INVALID_ACTION_MSG, extract_answer, information_block, parse_action,
                       render_prompt, reward)
@@ -260,9 +261,13 @@ def factual_episodes(model, tokenizer, retriever, questions, proto, run_seed: in
 
 def run_episodes(model, tokenizer, retriever, episodes, proto, release=False):
     """Step all episodes until every one is done (at most max_turns + 1 turns each); with release,
-    an episode's KV cache is dropped as soon as it is done (nothing will branch from it)."""
+    an episode's KV cache is dropped as soon as it is done (nothing will branch from it). Under a
+    live-KV budget (proto.kv_budget_gib) each turn is taken by the episodes that fit
+    (generation/kvbudget.py: the others wait, the same tokens)."""
+    cap = kvbudget.limit(model, proto)
     while any(not ep.done for ep in episodes):
-        step_turn(model, tokenizer, retriever, episodes, proto)
+        turn = episodes if cap is None else kvbudget.schedule(episodes, proto, cap)
+        step_turn(model, tokenizer, retriever, turn, proto)
         if release:
             release_caches([ep for ep in episodes if ep.done])
     return episodes
@@ -386,11 +391,19 @@ def run_twins(model, tokenizer, retriever, requests, proto, coupling=True,
     each finished before the next begins, so only one chunk's twins hold KV caches at once (every
     draw is keyed: the same twins). release: a requested episode's cache is dropped once the twins
     of its last request are branched (they hold what they need), and each twin's once it is done.
+    Under a live-KV budget a chunk holds at most half of it, and the caches later chunks branch
+    from are dropped (the latest first) until it fits (generation/kvbudget.py).
     """
-    size, out = chunk or max(len(requests), 1), []
+    out, c, cap = [], 0, kvbudget.limit(model, proto)
     last = {id(ep): i for i, (ep, _, _) in enumerate(requests)}
-    for c in range(0, len(requests), size):
-        part = requests[c:c + size]
+    while c < len(requests):
+        part = _twin_chunk(requests, c, chunk, cap, proto)
+        size = len(part)
+        if cap is not None:  # the caches later chunks branch from make room for this one's twins
+            now = {id(ep) for ep, _, _ in part}
+            later = {id(ep): ep for ep, _, _ in requests[c + size:] if id(ep) not in now}
+            kvbudget.trim(list(later.values()),
+                          cap - sum(_twin_need(ep, t, proto) for ep, t, _ in part))
         ks = [None] * len(part) if forks is None else forks[c:c + size]
         twins = [_twin_branch(c + i, ep, t, j, k, coupling, independent)
                  for i, ((ep, t, j), k) in enumerate(zip(part, ks))]
@@ -401,7 +414,27 @@ def run_twins(model, tokenizer, retriever, requests, proto, coupling=True,
         out += [TwinResult(c + i, t, j, kind, tw.reward, ep.reward - tw.reward,
                            tw.n_generated, tw, k)
                 for i, ((ep, t, j), kind, tw, k) in enumerate(zip(part, kinds, twins, ks))]
+        c += size
     return out
+
+
+def _twin_chunk(requests, c: int, chunk: int, cap, proto) -> list:
+    """The requests of the chunk starting at c: `chunk` of them (0: all), and under a live-KV
+    limit no more than fit in half of it (at least one)."""
+    part = requests[c:c + chunk] if chunk else requests[c:]
+    if cap is None:
+        return part
+    used = 0
+    for i, (ep, t, _) in enumerate(part):
+        used += _twin_need(ep, t, proto)
+        if i and used > cap // 2:
+            return part[:i]
+    return part
+
+
+def _twin_need(ep, t: int, proto) -> int:
+    """Positions of a twin of (ep, t)'s entry after its first turn, at most (kvbudget.need)."""
+    return min(len(ep.prompt_ids) + ep.turns[t].start + proto.max_new_tokens, proto.max_context)
 
 
 def _twin_branch(i, ep, t, j, k, coupling, independent) -> Episode:

@@ -77,6 +77,7 @@ class Config(methods.BaselineConfig):
     top_k: int = 0                  # top-k applied before the noise; 0 = off
     gen_batch_size: int = 64        # rows per generate call
     keep_caches: bool = True        # episodes keep KV caches for twins; False: freed at their end
+    kv_budget_gib: float = 0.0      # KV caches held at once per rank (0 = no cap; generation/kvbudget)
     fused_sampler: bool = True      # torch.compile the keyed draw (on CUDA; the CPU stays eager)
     sync_every: int = 16            # decode steps between read-backs of sampled tokens to the host
     cuda_graphs: bool = False       # replay the decode step as CUDA graphs, one per shape (CUDA)
@@ -153,7 +154,8 @@ class Config(methods.BaselineConfig):
                     "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0, "kl_coef": 0,
                     "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0, "keep_checkpoints": 0,
-                    "log_episodes": 0, "sync_every": 1, "rank_timeout_s": 0}
+                    "log_episodes": 0, "sync_every": 1, "rank_timeout_s": 0,
+                    "kv_budget_gib": 0}
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1,
                  "collective_timeout_h": 0}
         unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]

@@ -40,8 +40,8 @@ P2 and P4 are generation/logprobs.py's, P7 sampler.py's, P8 generation/kvcache.p
       rounding, so a draw at an exact near-tie could differ from the generate path (none did in
       tests or benchmarks).
   P3. Each episode's cache lives as long as its Episode object holds it (twins need it after the
-      rollout); the trainer drops it once nothing will branch from it (rollout.release_caches); no
-      host offload.
+      rollout); the trainer drops it once nothing will branch from it (rollout.release_caches) or
+      when it does not fit the live-KV budget (generation/kvbudget.py); no host offload.
   P5. Slots refill within one turn's call only; turns stay a barrier (retrieval is batched
       per turn).
   P6. The keyed draw (the processor's own, same noise and law) runs in this engine's decode loop,
@@ -172,6 +172,9 @@ def generate_turn(model, tokenizer, episodes, proto) -> list:
 
 
 # --- the cached engine: every context token goes through the model once per episode ---
+LIVE = weakref.WeakSet()  # every KVEntry alive, whoever holds it (generation/kvbudget.py counts them)
+
+
 @dataclass(eq=False)
 class KVEntry:
     """The KV cache of one token sequence: keys and values (layers, kv heads, len(ids), head dim)
@@ -182,6 +185,13 @@ class KVEntry:
     k: torch.Tensor
     v: torch.Tensor
     hidden: object
+
+    def __post_init__(self):
+        LIVE.add(self)
+
+    @property
+    def positions(self) -> int:
+        return self.k.shape[2]
 
     @functools.cached_property
     def kv(self):
@@ -484,6 +494,12 @@ def _cache_length(model, proto, queue) -> int:
         return proto.max_context + 1
     reach = max(n + r.budget - len(r.ids) for r, _, _, n, _ in queue) + 1
     return min(proto.max_context + 1, -(-reach // 1024) * 1024)
+
+
+def position_bytes(model) -> int:
+    """Bytes of one position of a KVEntry of this model (keys and values of every layer, and the
+    hidden state when rows may read logits off it)."""
+    return kvcache.cache_bytes(1, 1, model.config, kv_dtype(model), _can_track(model))
 
 
 def free_cache(model):

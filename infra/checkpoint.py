@@ -220,6 +220,7 @@ def export_bf16(model, tok, path: str):
 
 RESUME_FREE = {
     "resume",
+    "kv_budget_gib",  # memory only: a run that ran out resumes under a smaller one
     "steps",
     "token_budget",
     "eval_every",

@@ -15,7 +15,8 @@ Where every figure comes from:
      lines, its gen_batch_size, micro-batches, twin budget and chunks), on a model of the preset's
      layers (at most 12) and tiny widths in the preset's dtypes, driven by a scripted agent whose
      turns have the stated Search-R1-like lengths (memprobe.SCRIPTS), the engine sized as on CUDA
-     (its slot cache at max_context + 1 positions). memtrack.Tracker counts every live storage by
+     (its slot cache at max_context + 1 positions, its live-KV budget in the preset's positions:
+     kv_budget_gib / the preset's bytes a position). memtrack.Tracker counts every live storage by
      owner (the function that allocated it: the slot cache, the prefill's batch, a KV entry, the
      model's forward, the optimizer ...) and kind (keys/values, hidden states, other); the shapes of
      its forwards are kept.
@@ -34,8 +35,8 @@ Where every figure comes from:
      run under FakeTensorMode; the ZeRO-2 layout of DeepSpeed 0.19.8 (zero2_static) from
      configs/deepspeed_zero2.json; with lora_rank > 0 (`--set lora_rank=16`), LoRA's layout under
      DDP from lora.memory_bytes (lora_static).
-  5. Outside torch's allocator, estimates a GPU must confirm (perf/gpucheck.py measures them): the
-     CUDA context and NCCL, the retriever server's index shard on the same GPU, allocator slack.
+  5. Outside torch's allocator, estimates GPUs must confirm (perf/gpucheck.py, perf/nodecheck.py
+     measure them): the CUDA context and NCCL, the retriever's index shard, allocator slack.
 
 What it does not know: how long real turns are (SCRIPTS states the assumption; `--script long` is
 the stress case).
@@ -268,10 +269,10 @@ WIKI18 = (21_015_324, 768)
 # brute-force search's distance tiles, which FAISS sizes to 1 GiB on a GPU over 8 GB whatever the
 # stack holds ("we ignore available temporary memory": chooseTileSize in faiss/gpu/impl/Distance.cu)
 # and allocates beside it when they do not fit; its CUDA context on each GPU and E5 on the first:
-# estimates (perf/gpucheck.py measures)
+# estimates (perf/nodecheck.py measures)
 SERVER_GIB = {"temp": 0.5 + 1.0, "context": 0.5, "encoder": 0.5}
 # The training process's memory outside torch's allocator, budgeted high until a lent 8-GPU node
-# measures it (perf/gpucheck.py): the CUDA context (~0.5 GiB with lazy module loading), cuBLAS
+# measures it (perf/nodecheck.py): the CUDA context (~0.5 GiB with lazy module loading), cuBLAS
 # workspaces, NCCL's ring and tree buffers for the one world communicator (~1.6 GB reported for
 # one communicator with an all-reduce: github.com/NVIDIA/nccl/issues/864), and NVLink SHARP's
 # buffers on an NVSwitch node (NCCL's own log on 8 x H200: nvlsTotalSize 2,415,919,104 B = 2.25
@@ -283,7 +284,7 @@ SLACK = 0.05
 
 def zero2_static(params: int, largest: int, world: int, adam: dict, ds: dict) -> dict:
     """{phase: {category: bytes}} of DeepSpeed ZeRO-2 with bf16 (stage_1_and_2.py of DeepSpeed
-    0.19.8), as measured on CPU ranks (zero2_measure: every coefficient below matched it, the
+    0.19.8), as measured on CPU ranks (perf/nodecheck.py --tiny: every coefficient below matched it, the
     update's as an upper bound): the module in bf16, replicated; the fp32 master partition and
     AdamW's two moments on 1/world of the parameters (adam: its step measured on the partition); in
     the update two bf16 copies of the rank's partition gradients with a parameter straddling its
@@ -303,59 +304,6 @@ def zero2_static(params: int, largest: int, world: int, adam: dict, ds: dict) ->
         }.get(phase, 0)
         out[phase] = {"weights": 2 * params, "optimizer": optimizer, "gradients": grads}
     return out
-
-
-def zero2_measure(bucket: int = 100_000) -> dict:
-    """DeepSpeed ZeRO-2 (bf16, overlap_comm, torch's AdamW) on CPU ranks (gloo) with a small Qwen2,
-    two steps of two micro-batches: the storages DeepSpeed allocates, steady, at the second step's
-    backward peak and at its optimizer step, beside zero2_static's prediction. Needs deepspeed
-    (requirements-gpu.txt) and `DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 perf/ledger.py
-    --zero2-measure`."""
-    import sys
-    import deepspeed
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    deepspeed.init_distributed(dist_backend="gloo")
-    world = torch.distributed.get_world_size()
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(
-        Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
-    numels = [p.numel() for p in model.parameters()]
-    ds = {"zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                                "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
-          "bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-          "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9}
-
-    # ZeRO's own storages: not the forward's, nor the backward's that engine.backward runs
-    def owner(t):
-        f = sys._getframe(2)
-        while f is not None and not any(part in f.f_code.co_filename
-                                        for part in ("/deepspeed/", "/transformers/")):
-            f = f.f_back
-        return "deepspeed" if f is not None and "/deepspeed/runtime/zero/" in f.f_code.co_filename else "other"
-    tracker = memtrack.Tracker(owner, block=1, scale={"other": 0.0})
-    ids = torch.randint(0, 1000, (2, 64))
-    with tracker:
-        engine_, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(
-            model.parameters()), config=ds)
-        for step in range(2):
-            for micro in range(2):
-                with tracker.phase(f"update{step}"):
-                    engine_.backward(engine_(input_ids=ids, labels=ids).loss)
-                with tracker.phase(f"step{step}"):
-                    engine_.step()
-        steady = tracker.total
-    cfg = tt.Config()
-    pred = zero2_static(sum(numels), max(numels), world, adamw_step(cfg,
-                                                                    [-(-sum(numels) // world)]), ds)
-    return {
-        "world": world, "params": sum(numels), "steady": steady,
-        "update": tracker.peaks["update1"]["total"], "step": tracker.peaks["step1"]["total"],
-        "predicted": {
-            k: sum(pred[p].values())
-            for k, p in (("steady", "rollout"), ("update", "update"), ("step", "optimizer_step"))
-        }
-    }
 
 
 def plain_static(params: int, adam: dict, grads: int, sampling: int) -> dict:
@@ -469,17 +417,17 @@ def n_params(dims) -> int:
     return sum(param_numels(dims))
 
 
-def slot_cache_bytes(cfg, dims, dtype) -> int:
+def slot_cache_bytes(cfg, dims, dtype, slots=None, length=None) -> int:
     """The engine's slot cache on a GPU: gen_batch_size slots of max_context + 1 positions
     (kvcache.cache_bytes), what the probe's decode batch holds from the first decode of the rollout
-    until the twins are done."""
+    until the twins are done; (1, 1): a KV entry's bytes per position (engine.position_bytes)."""
     from transformers import Qwen2Config
-    return kvcache.cache_bytes(cfg.gen_batch_size, cfg.max_context + 1, Qwen2Config(**dims), dtype,
-                               hidden=True)
+    return kvcache.cache_bytes(slots or cfg.gen_batch_size, length or cfg.max_context + 1,
+                               Qwen2Config(**dims), dtype, hidden=True)
 
 
 MEMORY_FIELDS = ("prompts_per_step", "group_size", "max_turns", "max_new_tokens", "max_obs_tokens",
-                 "max_context", "gen_batch_size", "method", "twin_budget", "twins_per_decision",
+                 "max_context", "gen_batch_size", "kv_budget_gib", "method", "twin_budget", "twins_per_decision",
                  "twin_chunk", "keep_caches", "mini_batches", "micro_batch_size", "entropy_coef",
                  "bf16", "gradient_checkpointing", "ref_offload", "lora_rank", "lora_targets")
 
@@ -512,7 +460,7 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
                                memprobe.SCRIPTS[script], scale=memprobe.probe_scale(
                                    probe_dims, half, dims, half), mixed=mixed, threads=threads,
                                attention="probe", steps=steps, virtual=rollout_activations(
-                                   dims, half, cfg))
+                                   dims, half, cfg), position_bytes=slot_cache_bytes(cfg, dims, half, 1, 1))
     act = activations(dims, half, cfg, probe["shapes"], autocast=mixed == "bf16")
     numels = param_numels(dims)
     params = sum(numels)
@@ -654,19 +602,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads of the probe runs")
     parser.add_argument("--jobs", type=int, default=1, help="presets computed at once (processes)")
-    parser.add_argument(
-        "--zero2-measure", action="store_true", help="DeepSpeed ZeRO-2 on CPU ranks against the "
-        "ledger's layout (DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 perf/ledger.py --zero2-measure)"
-    )
     args = parser.parse_args(argv)
     if args.readme:
         write_readme(json.load(open(os.path.join(ROOT, "results", "memory.json"))))
         return {}
-    if args.zero2_measure:
-        got = zero2_measure()
-        if torch.distributed.get_rank() == 0:
-            print(json.dumps(got, indent=1))
-        return got
     paths = args.presets or list(PRESETS.values())
     for p in paths:
         if not os.path.isfile(p):

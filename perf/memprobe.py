@@ -275,11 +275,15 @@ def cuda_length(model, proto, queue) -> int:
 
 
 @contextlib.contextmanager
-def as_on_gpu():
+def as_on_gpu(position_bytes=None):
     """The engine sized as on a GPU (cuda_length); the probe's attention (_no_attention) taken for
-    sdpa by the engine's check of what its slot cache can drive."""
+    sdpa by the engine's check of what its slot cache can drive; with position_bytes (the target
+    model's, engine.position_bytes), the live-KV budget counts the positions it would at the
+    target (generation/kvbudget.py)."""
+    size = engine.position_bytes if position_bytes is None else (lambda model: position_bytes)
     with patched(engine, "_cache_length", cuda_length), patched(engine, "_slots_fit",
-                                                                lambda model: True):
+                                                                lambda model: True), \
+            patched(engine, "position_bytes", size):
         yield
 
 
@@ -424,10 +428,10 @@ def make_run(cfg, dims, dtype, tok, rows, retriever, mixed="no", attention="sdpa
 
 
 def run_steps(cfg, dims, dtype, script, steps=1, scale=None, block=1, mixed="no", threads=1,
-              attention="sdpa", virtual=None) -> dict:
+              attention="sdpa", virtual=None, position_bytes=None) -> dict:
     """`steps` train_steps of a scripted run under a Tracker; the last step's per-phase peaks
     (scaled totals and their categories), the largest forward shapes, and the step's counters.
-    virtual: see phases."""
+    virtual: see phases; position_bytes: see as_on_gpu."""
     torch.set_num_threads(threads)
     tok = script_tokenizer()
     run = make_run(cfg, dims, dtype, tok, script_rows(tok, script, cfg.prompts_per_step),
@@ -441,7 +445,7 @@ def run_steps(cfg, dims, dtype, script, steps=1, scale=None, block=1, mixed="no"
         p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients/other"))
     metrics = {}
     with tracker, owners(stack, run.accel, tagger(tracker, dims)), scripted(tok,
-                                                                            script), as_on_gpu():
+                                                                            script), as_on_gpu(position_bytes):
         for step in range(steps):
             tracker.peaks, shapes = {}, {}
             tracker.tag(

@@ -21,7 +21,7 @@ ORDER = [
     "infra.config", "infra.cuda", "infra.watchdog", "infra.phases", "infra.numerics", "infra.adamw", "infra.weights",
     "protocol",
     "sampler",
-    "generation.stops", "generation.rows", "generation.kvcache", "generation.engine", "generation.logprobs",
+    "generation.stops", "generation.rows", "generation.kvcache", "generation.engine", "generation.kvbudget", "generation.logprobs",
     "credit", "retrieval.index", "retrieval.dense", "retrieval.bm25", "retriever",
     "rollout", "forks", "twice", "eval", "infra.lora", "infra.checkpoint", "infra.console",
     "methods.baselines", "methods.learned", "methods", "train_twice",
@@ -29,7 +29,7 @@ ORDER = [
     "worlds.lock", "worlds.base", "worlds.tiny", "worlds.chains", "worlds.build", "worlds.data",
     "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark",
     "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_server", "perf.bench",
-    "perf.gpucheck", "perf.smoke", "perf.probe", "perf.cpucheck",
+    "perf.gpucheck", "perf.nodecheck", "perf.smoke", "perf.probe", "perf.cpucheck",
 ]
 LONG_LINE, LONG_LINE_SHARE = 100, 0.10  # characters; share of code lines allowed past it
 MAX_MODULE_LINES = 700

@@ -358,7 +358,8 @@ def test_make_reproduce_dry_run_prints_every_step_and_runs_nothing(tmp_path, siz
     assert proc.returncode == 0, proc.stderr
     text, run = proc.stdout, f"{runs}/qwen2.5-{size}"
     launch = f"accelerate launch --config_file configs/{accel} train_twice.py configs/qwen2.5-{size}.cfg"
-    steps = ["-m infra.cuda", f"-m worlds.data searchr1 --out {sr1}", f"hf download Qwen/Qwen2.5-{size.upper()}",
+    steps = ["-m infra.cuda", f"torchrun --standalone --nproc_per_node 8 -m perf.nodecheck --out {runs}/node_check",
+             f"-m worlds.data searchr1 --out {sr1}", f"hf download Qwen/Qwen2.5-{size.upper()}",
              f"-m retrieval.server serve --index {sr1}/index",
              f"{launch} --out_dir={run}-smoke --retriever_url=http://127.0.0.1:8000/retrieve --steps=2",
              f"{launch} --out_dir={run}-smoke --retriever_url=http://127.0.0.1:8000/retrieve --steps=3 "
