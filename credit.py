@@ -157,9 +157,12 @@ def branch_mask(q, u) -> np.ndarray:
     return u < q
 
 
-def ht_credit(diffs, branched, q) -> np.ndarray:
+def ht_credit(diffs, branched, q, baseline=None) -> np.ndarray:
     """Horvitz-Thompson turn credit A_hat_t = 1[branched_t] * mean_j(D_t^j) / q_t (DESIGN 5).
     Unbiased: E[A_hat_t] = q_t * mean D / q_t, Var = mean(D)^2 (1/q_t - 1) for fixed twins.
+    With a baseline g_t fixed before the branch draw (a control variate, control_baseline):
+    A_hat_t = g_t + 1[branched_t] (mean_j D_t^j - g_t) / q_t, unbiased for any g, with variance
+    (mean D - g)^2 (1/q_t - 1): smaller wherever g predicts D.
 
     diffs: a 2D array (n, K) (rows of unbranched decisions are ignored, may be NaN) or a list of
     per-decision lists of K_t twin differences (empty for unbranched decisions). A branched
@@ -182,16 +185,36 @@ def ht_credit(diffs, branched, q) -> np.ndarray:
         mean = np.array([r.mean() for r in rows])
     if not np.all(np.isfinite(mean)):
         raise ValueError("non-finite twin difference on a branched decision")
-    a[branched] = mean / q[branched]
+    if baseline is None:
+        a[branched] = mean / q[branched]
+        return a
+    g = as_array(baseline).reshape(-1)
+    if g.shape != q.shape:
+        raise ValueError(f"baseline has {g.size} entries, q {q.size}")
+    a = g.astype(float).copy()
+    a[branched] += (mean - g[branched]) / q[branched]
     return a
 
 
-def turn_advantages(a_traj, a_hat, omega, sigma) -> list:
-    """Per-turn advantage A_{i,t} = A_traj_i + omega * A_hat_{i,t} / sigma (DESIGN 5, token
-    advantage)."""
+def control_baseline(outcome, p) -> np.ndarray:
+    """g_t = (2 U - 1) p_t: the predicted D = U - U' of a decision whose factual outcome is U in
+    {0, 1} and whose twin disagrees with probability p_t (the predictor's, before this batch)."""
+    return (2 * as_array(outcome).reshape(-1) - 1) * as_array(p).reshape(-1)
+
+
+def capped(x, cap: float) -> np.ndarray:
+    """x clipped to [-cap, cap]; cap 0: x as it is. The twin term's bound (DESIGN 5)."""
+    x = as_array(x).astype(float)
+    return np.clip(x, -cap, cap) if cap > 0 else x
+
+
+def turn_advantages(a_traj, a_hat, omega, sigma, cap: float = 0.0) -> list:
+    """Per-turn advantage A_{i,t} = A_traj_i + omega * clip(A_hat_{i,t} / sigma, +-cap)
+    (DESIGN 5, token advantage; cap 0: no clip)."""
     if not sigma > 0:
         raise ValueError(f"sigma must be > 0, got {sigma}")
-    return [a + omega * as_array(h).reshape(-1) / sigma
+    # DEVIATION C7: the twin term is clipped to omega * cap (the paper states no bound)
+    return [a + omega * capped(as_array(h).reshape(-1) / sigma, cap)
             for a, h in zip(as_array(a_traj).reshape(-1), a_hat)]
 
 

@@ -94,8 +94,9 @@ class Config(methods.BaselineConfig):
     twin_unit: str = "turn"         # "turn": a twin re-samples y_t whole (the paper); "token": it
     #                                 forks at one token k ~ r_t and credits it (forks.py, DESIGN 5)
     fork_floor: float = 0.1         # token unit: share of the fork law r_t spread over the turn
-    twin_scale: str = "d"           # sigma_hat: "d" (RMS of D per decision: the same at every
-    #                                 budget) or "rms" (RMS of the nonzero A_hat = D / q, ~1/q)
+    twin_scale: str = "rms"         # sigma_hat: "rms" (of the nonzero A_hat as applied) or "d" (of D)
+    twin_cap: float = 2.0           # |A_hat / sigma_hat| <= twin_cap: A_traj's scale (0 = no cap)
+    control_variate: bool = False   # turn unit: A_hat = g + 1[branched] (D - g) / q, g = (2U - 1) p
     scale_decay: float = 0.9        # EMA decay of sigma_hat
     line_keys: str = "group"        # key "line": "group" (the sample's line in its group) or "text"
     #                                 (the text line in the turn: keys restart after a newline)
@@ -150,24 +151,24 @@ class Config(methods.BaselineConfig):
         """(field, ok, rule): every value that would otherwise fail, or mislead, inside a step."""
         at_least = {"prompts_per_step": 1, "group_size": 2, "max_turns": 0, "topk": 1,
                     "max_new_tokens": 1, "max_obs_tokens": 0, "max_context": 2, "top_k": 0,
-                    "gen_batch_size": 1, "twin_budget": 0, "twin_chunk": 0, "twins_per_decision": 1,
+                    "gen_batch_size": 1, "twin_chunk": 0, "twins_per_decision": 1,
                     "steps": 0, "token_budget": 0, "lr": 0, "warmup_steps": 0, "kl_coef": 0,
                     "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0, "keep_checkpoints": 0,
                     "log_episodes": 0, "sync_every": 1, "rank_timeout_s": 0,
-                    "kv_budget_gib": 0}
+                    "kv_budget_gib": 0, "twin_cap": 0}
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1,
                  "collective_timeout_h": 0}
-        unit = ("top_p", "q_min")  # fractions and probabilities in (0, 1]
+        unit = ("top_p", "q_min", "fork_floor")  # fractions and probabilities in (0, 1]
         choices = {"budget_rule": ("sqrt", "uniform"), "twin_unit": ("turn", "token"),
                    "twin_scale": ("d", "rms"), "line_keys": ("group", "text")}
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                 [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
                 [(k, 0 < getattr(self, k) <= 1, "in (0, 1]") for k in unit] +
-                [(k, getattr(self, k) in v, " or ".join(map(repr, v))) for k, v in choices.items()]
-                +
+                [(k, getattr(self, k) in v, " or ".join(map(repr, v))) for k, v in choices.items()] +
                 [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
-                 ("fork_floor", 0 < self.fork_floor <= 1, "in (0, 1]"),
+                 ("twin_budget", self.twin_budget >= self.q_min, ">= q_min (below, every q_t is q_min)"),
+                 ("control_variate", self.twin_unit == "turn" or not self.control_variate, "turn unit only"),
                  ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"),
                  ("omega", math.isfinite(self.omega), "finite"),
                  ("weight_decay", self.weight_decay >= 0, ">= 0"),

@@ -121,6 +121,7 @@ class Twice(Method):
         """The twin counters over ranks; the predictor's scores (the same on every rank)."""
         out = twin_stats(accel, stats["twins"], stats["n_decisions"], factual_tokens)
         out.update({k: stats[k] for k in ("predictor_auc", "predictor_brier", "q_mean")})
+        out.update(term_stats(accel, stats["terms"]))
         return {**out, "aux_tokens": out["twin_tokens"]}
 
 
@@ -137,19 +138,24 @@ def twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
     budget, branched, _ = branch(cfg, step, episodes, decisions, p, decisions.cost)
     # 4. Twins of the branched decisions: y' at turn t, then the factual keys (same luck).
     pairs, twins, diffs = roll_twins(cfg, run, episodes, decisions, branched, proto)
-    # 5. Horvitz-Thompson credit A_hat = 1[branched] mean_j D^j / q_t; the predictor learns
-    #    from every twin of the batch (scored first: AUC, Brier).
-    a_flat = credit.ht_credit(diffs, branched, budget.q)
+    # 5. Horvitz-Thompson credit A_hat = 1[branched] mean_j D^j / q_t (with control_variate:
+    #    g_t + 1[branched] (D - g_t) / q_t, g_t = (2U - 1) p_t); the predictor learns from every
+    #    twin of the batch (scored first: AUC, Brier).
+    g = (credit.control_baseline([episodes[i].reward for i, _ in decisions.index], p)
+         if cfg.control_variate else None)
+    a_flat = credit.ht_credit(diffs, branched, budget.q, g)
     fit = learn(run, run.predictor, decisions.features, [n for n, _ in pairs], twins)
     sigma = scale_step(cfg, run, diffs, branched, budget.q, a_flat)
-    # 6. Token advantage A = A_traj + omega A_hat / sigma_hat on the sampled tokens of turn t.
+    # 6. Token advantage A = A_traj + omega clip(A_hat / sigma_hat, +-twin_cap) on the sampled
+    #    tokens of turn t.
     a_hat = [np.zeros(len(ep.turns)) for ep in episodes]
     for (i, t), a in zip(decisions.index, a_flat):
         a_hat[i][t] = a
-    turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, sigma)
+    turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, sigma, cfg.twin_cap)
     adv = credit.spread_over_tokens(turn_adv, rollout.turn_spans(episodes),
                                     batch["input_ids"].shape[1])
-    return adv, counters(twins, decisions, budget, fit)
+    return adv, counters(twins, decisions, budget, fit,
+                         terms(cfg, episodes, a_traj, a_flat / sigma, adv, budget))
 
 
 def token_twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
@@ -176,12 +182,13 @@ def token_twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
                                       cfg.omega, sigma)
     adv = credit.spread_over_tokens(turn_adv, rollout.turn_spans(episodes),
                                     batch["input_ids"].shape[1])
+    term = cfg.omega * credit.capped(a_flat / sigma, cfg.twin_cap)  # DEVIATION C7: the bound
     for n in np.flatnonzero(branched):
         i, t = decisions.index[n]
         k = row[n] - table.offsets[n]
-        adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start + k] += (
-            cfg.omega * a_flat[n] / sigma)
-    return adv, counters(twins, decisions, budget, fit)
+        adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start + k] += term[n]
+    return adv, counters(twins, decisions, budget, fit,
+                         terms(cfg, episodes, a_traj, a_flat / sigma, adv, budget))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,8 +247,8 @@ def scale_step(cfg, run, diffs, branched, q, a_flat) -> float:
     batch's branch draws E[A_hat / sigma_hat] = (Q - V) / sigma_hat at any q), then updated with
     the batch's Horvitz-Thompson mean of D^2 per decision over every rank. rms: updated first with
     the RMS of the batch's nonzero A_hat (the first form)."""
-    if cfg.twin_scale == "rms":
-        return run.sigma_hat.update(gather_list(run.accel, a_flat[branched].tolist()))
+    if cfg.twin_scale == "rms":  # the credit as applied: fork weights, control variate included
+        return run.sigma_hat.update(gather_list(run.accel, a_flat[a_flat != 0].tolist()))
     # DEVIATION C6: the paper's "running scale" read as a scale of D per decision,
     # from the batches before this one
     sigma = run.sigma_hat.value
@@ -251,11 +258,39 @@ def scale_step(cfg, run, diffs, branched, q, a_flat) -> float:
     return sigma
 
 
-def counters(twins, decisions, budget, fit) -> dict:
+def counters(twins, decisions, budget, fit, term_sums) -> dict:
     auc, brier = fit
     q_mean = float(budget.q.mean()) if len(decisions.index) else 0.0
     return {"twins": twins, "n_decisions": len(decisions.index), "predictor_auc": auc,
-            "predictor_brier": brier, "q_mean": q_mean}
+            "predictor_brier": brier, "q_mean": q_mean, "terms": term_sums}
+
+
+def terms(cfg, episodes, a_traj, scaled, adv, budget) -> tuple:
+    """This rank's figures of the twin term's size (summed over ranks by term_stats): largest
+    |A_traj|, largest |twin term| = omega |clip(A_hat / sigma_hat, +-twin_cap)|, decisions with a
+    nonzero term and those the cap clipped, the term's and A_traj's absolute mass over sampled
+    tokens, the twin tokens spent (sum q_t c_t) and the factual tokens."""
+    nonzero = scaled[scaled != 0]
+    term = cfg.omega * credit.capped(nonzero, cfg.twin_cap)
+    traj = credit.spread_over_tokens([np.full(len(ep.turns), a) for ep, a in zip(episodes, a_traj)],
+                                     rollout.turn_spans(episodes), adv.shape[1])
+    return (float(np.abs(a_traj).max(initial=0.0)), float(np.abs(term).max(initial=0.0)),
+            len(nonzero), int((np.abs(nonzero) > cfg.twin_cap).sum()) if cfg.twin_cap > 0 else 0,
+            float(np.abs(adv - traj).sum()), float(np.abs(traj).sum()), budget.spent,
+            sum(ep.n_generated for ep in episodes))
+
+
+def term_stats(accel, sums) -> dict:
+    """The logged twin-term figures over every rank: a_traj_max, twin_term_max (at most omega
+    twin_cap, the bound), twin_capped (share of nonzero terms the cap clipped), twin_adv_share
+    (the term's share of the absolute advantage mass on sampled tokens) and
+    twin_budget_effective (sum q_t c_t / factual tokens: above twin_budget when the q_min floor
+    binds)."""
+    rows = np.array(gather_list(accel, [sums]), dtype=float).reshape(-1, 8)
+    n, clipped, twin, traj, spent, factual = rows[:, 2:].sum(0)
+    return {"a_traj_max": rows[:, 0].max(), "twin_term_max": rows[:, 1].max(),
+            "twin_capped": clipped / max(n, 1), "twin_adv_share": twin / max(twin + traj, 1e-12),
+            "twin_budget_effective": spent / max(factual, 1)}
 
 
 TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant",

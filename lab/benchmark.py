@@ -74,14 +74,16 @@ def flags(label: str) -> list:
         if parts[0] == "grpo" and len(parts) <= 2:
             return out + ["--method=grpo"
                           ] + ([f"--group_size={int(parts[1][1:])}"] if len(parts) == 2 else [])
+        # the estimator the committed runs used (the defaults before 2026-12-05: scale of D, no cap)
+        as_run = ["--twin_scale=d", "--twin_cap=0"]
         if parts[0] == "twice" and len(parts) == 4 and parts[1] in ("turn", "token"):
             return out + [
                 "--method=twice", f"--twin_unit={parts[1]}", f"--twin_budget={float(parts[2][1:])}",
                 f"--omega={float(parts[3][1:])}"
-            ]
+            ] + as_run
         if parts[0] == "independent" and len(parts) == 3:
             return out + ["--method=independent", f"--twin_budget={float(parts[1][1:])}",
-                          f"--omega={float(parts[2][1:])}"]
+                          f"--omega={float(parts[2][1:])}"] + as_run
         if parts[0] == "vineppo" and len(parts) == 2:
             return out + ["--method=vineppo", f"--vine_k={int(parts[1][1:])}"]
         if len(parts) == 1 and name in OTHERS:

@@ -27,9 +27,10 @@ def fake(results, label, seed, ems, tokens_per_step=10000, budget=120000):
 def test_labels_read_as_train_flags():
     assert bm.flags("grpo") == ["--method=grpo"]
     assert bm.flags("grpo-g8") == ["--method=grpo", "--group_size=8"]
+    as_run = ["--twin_scale=d", "--twin_cap=0"]  # the committed runs' estimator, whatever the defaults now
     assert bm.flags(bm.twice("token", 0.25, 1.0)) == ["--method=twice", "--twin_unit=token", "--twin_budget=0.25",
-                                                      "--omega=1.0"]
-    assert bm.flags("independent-b0.7-w2") == ["--method=independent", "--twin_budget=0.7", "--omega=2.0"]
+                                                      "--omega=1.0"] + as_run
+    assert bm.flags("independent-b0.7-w2") == ["--method=independent", "--twin_budget=0.7", "--omega=2.0"] + as_run
     assert bm.flags("vineppo-k3-360k") == ["--token_budget=360000", "--eval_tokens=90000", "--method=vineppo",
                                            "--vine_k=3"]
     assert bm.flags("tree_grpo") == ["--method=tree_grpo"]

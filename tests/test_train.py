@@ -463,7 +463,7 @@ def test_an_over_long_train_question_is_refused_with_file_line_before_any_rollou
 
 
 # --- twin units, scales and key readings (DESIGN.md section 5) ---
-@pytest.mark.parametrize("extra", [["--twin_unit=token"],
+@pytest.mark.parametrize("extra", [["--twin_unit=token", "--twin_scale=d"],
                                    ["--twin_unit=token", "--method=independent", "--line_keys=text",
                                     "--twin_scale=rms"]])
 def test_twin_options_two_steps_and_exact_resume(tiny_world, tmp_path, extra):
@@ -481,7 +481,7 @@ def test_twin_options_two_steps_and_exact_resume(tiny_world, tmp_path, extra):
     logged = [tw for line in open(os.path.join(a, "episodes.jsonl")) for tw in json.loads(line)["twins"]]
     assert logged and all(isinstance(tw["k"], int) and tw["k"] >= 0 for tw in logged)
     state = json.load(open(os.path.join(b, "step_000002", "run.json")))
-    assert state["token_predictor"]["n_seen"] > 0 and state["sigma_hat"]["mode"] == ("rms" if len(extra) > 1 else "d")
+    assert state["token_predictor"]["n_seen"] > 0 and state["sigma_hat"]["mode"] == extra[-1].split("=")[1]
 
 
 def test_token_unit_credits_the_fork_token_alone(tiny_world, monkeypatch):
@@ -493,7 +493,8 @@ def test_token_unit_credits_the_fork_token_alone(tiny_world, monkeypatch):
     import forks
     import methods
     import twice
-    cfg = tiny_cfg(tiny_world, "unused", "--twin_unit=token", "--twin_budget=0.5", "--omega=2")
+    cfg = tiny_cfg(tiny_world, "unused", "--twin_unit=token", "--twin_budget=0.5", "--omega=2", "--twin_scale=d",
+                   "--twin_cap=0")
     policy, tok = qa_eval.load_policy(cfg.model)
     run = SimpleNamespace(accel=SimpleNamespace(num_processes=1, unwrap_model=lambda m: m), policy=policy, tok=tok,
                           retriever=qa_eval.load_retriever(cfg.index, ""), method=methods.make(cfg),
