@@ -23,6 +23,8 @@ The sets, in the order they may run (each refuses to start before what it depend
     dev          dev seeds 0-2: every method of the benchmark, at the knobs chosen from the sweeps
     heldout      seeds 10-15 at 120k tokens: the same list, run once (chosen.json is frozen before any of them)
     long         seeds 10-12 at 360k tokens: GRPO, the best TWICE variant and the best other method (by dev AUC)
+    bounded      dev seeds 0-2 on a world of its own (--world, --results): GRPO, GRPO with 8 lines, TWICE at the
+                 paper's knobs with the estimator above and with the bounded twin term ("-cap2")
 Knobs are chosen by one rule, the highest mean area under EM-vs-tokens over the development seeds,
 and written to results/chains/chosen.json before the first run that needs them; an existing
 chosen.json is never rewritten.
@@ -51,6 +53,9 @@ DEV_SEEDS, HELDOUT_SEEDS, LONG_SEEDS = (0, 1, 2), (10, 11, 12, 13, 14, 15), (10,
 BUDGETS, OMEGAS, VINE_KS = (0.1, 0.25, 0.5, 0.7), (0.25, 0.5, 2.0), (1, 3, 9)
 OTHERS = ("gigpo", "hgpo", "arpo", "tree_grpo", "ppo", "igpo", "spa_rl", "agentprm", "craft")
 LONG = 3  # the long set's token budget: 3 x compare-methods.cfg's (360k)
+# the bounded twin term against the estimator the benchmark ran and GRPO at 5 and 8 lines, at the paper's knobs
+# (turn unit, budget 0.7, omega 1: defaults, not chosen), on a world of its own (`--results`)
+BOUNDED = ("grpo", "grpo-g8", "twice-turn-b0.7-w1", "twice-turn-b0.7-w1-cap2")
 
 
 def num(x: float) -> str:
@@ -76,7 +81,11 @@ def flags(label: str) -> list:
                           ] + ([f"--group_size={int(parts[1][1:])}"] if len(parts) == 2 else [])
         # the estimator the committed runs used (the defaults before 2026-12-05: scale of D, no cap)
         as_run = ["--twin_scale=d", "--twin_cap=0"]
-        if parts[0] == "twice" and len(parts) == 4 and parts[1] in ("turn", "token"):
+        if parts[0] == "twice" and len(parts) in (4, 5) and parts[1] in ("turn", "token"):
+            if len(parts) == 5:  # "-capC": the bounded twin term (rms scale, cap C; DESIGN.md section 5)
+                if not parts[4].startswith("cap"):
+                    raise ValueError(unreadable)
+                as_run = ["--twin_scale=rms", f"--twin_cap={float(parts[4][3:])}"]
             return out + [
                 "--method=twice", f"--twin_unit={parts[1]}", f"--twin_budget={float(parts[2][1:])}",
                 f"--omega={float(parts[3][1:])}"
@@ -201,13 +210,15 @@ def plan(name: str, results: str = RESULTS) -> list:
         ch = chosen(results)
         collect(dev_labels(ch), DEV_SEEDS, results)  # frozen on the dev seeds first
         labels, seeds = dev_labels(ch), HELDOUT_SEEDS
+    elif name == "bounded":
+        labels, seeds = BOUNDED, DEV_SEEDS
     elif name == "long":
         ch = chosen(results, need="long")
         labels, seeds = [f"{lab}-360k"
                          for lab in ("grpo", ch["best_twice"], ch["best_other"])], LONG_SEEDS
     else:
         raise SystemExit(
-            f"lab/benchmark.py: unknown set {name!r}; choose sweep, sweep-omega, dev, heldout or long"
+            f"lab/benchmark.py: unknown set {name!r}; choose sweep, sweep-omega, dev, heldout, long or bounded"
         )
     return [(lab, s) for s in seeds for lab in labels]
 
@@ -350,8 +361,12 @@ def section(title: str, runs: dict, png: str) -> list:
     return out
 
 
-def build_report(results: str = RESULTS) -> str:
-    """results/chains/tables.md and the PNGs from results/chains/runs alone."""
+def build_report(results: str = RESULTS, only: str = "") -> str:
+    """results/chains/tables.md and the PNGs from results/chains/runs alone (only = "bounded":
+    that set's section alone, for its own results folder)."""
+    if only == "bounded":
+        return write_tables(results, [], [("Bounded twin term against the benchmark's estimator and GRPO, "
+                                            "development seeds 0-2", list(BOUNDED), DEV_SEEDS, "bounded")], {})
     path = os.path.join(results, "chosen.json")
     ch = json.load(open(path)) if os.path.isfile(path) else {}
     rename = {
@@ -361,7 +376,8 @@ def build_report(results: str = RESULTS) -> str:
     if os.path.isdir(os.path.join(results, "runs")):
         done = sorted(os.listdir(os.path.join(results, "runs")))
         omega = sorted({lab for lab in (d.rsplit("-seed", 1)[0] for d in done)
-                        if lab.startswith("twice") and not lab.endswith(("-w1", "-360k"))})
+                        if lab.startswith("twice") and not lab.endswith(("-w1", "-360k"))
+                        and "-cap" not in lab})
         sets[0] = (sets[0][0], sweep_labels() + omega, DEV_SEEDS, "sweep")
     if ch:
         sets += [("Every method, development seeds 0-2", dev_labels(ch), DEV_SEEDS, "dev"),
@@ -369,14 +385,17 @@ def build_report(results: str = RESULTS) -> str:
                   "heldout"),
                  ("Three methods, held-out seeds 10-12, 360k tokens", list(rename), LONG_SEEDS,
                   "long")]
+    head = ["Chosen on the development seeds (chosen.json): " + ", ".join(
+        f"{k} = {v}" for k, v in sorted(ch.items()) if k not in ("rule", "chosen_at")) +
+        f"; rule: {ch.get('rule')}; written {ch.get('chosen_at')}.", ""] if ch else []
+    return write_tables(results, head, sets, rename)
+
+
+def write_tables(results: str, head: list, sets: list, rename: dict) -> str:
     lines = [
         "# Benchmark tables (generated by `python -m lab.benchmark report` from results/chains/runs; do not edit)",
         ""
-    ]
-    if ch:
-        lines += ["Chosen on the development seeds (chosen.json): " + ", ".join(
-            f"{k} = {v}" for k, v in sorted(ch.items()) if k not in ("rule", "chosen_at")) +
-            f"; rule: {ch.get('rule')}; written {ch.get('chosen_at')}.", ""]
+    ] + head
     for title, labels, seeds, tag in sets:
         runs = collect(labels, seeds, results, need_all=False)
         runs = {rename.get(lab, lab): v for lab, v in runs.items()}
@@ -404,7 +423,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="lab/benchmark.py", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["run", "report", "plan"])
     parser.add_argument("set", nargs="?",
-                        help="sweep, sweep-omega, dev, heldout or long (run, plan)")
+                        help="sweep, sweep-omega, dev, heldout, long or bounded (run, plan; report: bounded)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
     parser.add_argument("--world", default="",
                         help="the chains world folder (default: configs/chains.cfg's)")
@@ -413,7 +432,7 @@ def main(argv=None):
     parser.add_argument("--results", default=RESULTS, help="the committed outputs' folder")
     a = parser.parse_args(argv)
     if a.command == "report":
-        print(build_report(a.results))
+        print(build_report(a.results, a.set or ""))
         return 0
     if not a.set:
         parser.error(f"{a.command} needs a set: sweep, sweep-omega, dev, heldout or long")
