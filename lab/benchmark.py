@@ -297,7 +297,7 @@ def run_set(name: str, jobs: int, world: str, scratch: str, results: str = RESUL
         f"lab/benchmark.py: set {name}: {len(todo)} runs to do, {jobs} at a time, outputs in {scratch}",
         flush=True)
     if todo and subprocess.run(
-        [sys.executable, "worlds/build.py", "--verify", world or "data/chains"],
+        [sys.executable, "-m", "worlds.build", "--verify", world or "data/chains"],
             cwd=ROOT).returncode:
         return 1
     os.makedirs(scratch, exist_ok=True)
