@@ -3,11 +3,16 @@ alone, and one real run through train_twice.py whose outputs land where the tabl
 import json
 import os
 import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
 from lab import benchmark as bm
 from lab import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = ["--prompts_per_step=2", "--group_size=2", "--max_new_tokens=24", "--max_obs_tokens=200", "--max_turns=2",
         "--max_context=768", "--micro_batch_size=4", "--eval_size=4", "--gen_batch_size=16", "--token_budget=200",
@@ -34,7 +39,9 @@ def test_labels_read_as_train_flags():
     assert bm.flags("vineppo-k3-360k") == ["--token_budget=360000", "--eval_tokens=90000", "--method=vineppo",
                                            "--vine_k=3"]
     assert bm.flags("tree_grpo") == ["--method=tree_grpo"]
-    for bad in ("twice-turn-b0.2", "twice-word-b0.2-w1", "vineppo-kx", "sac", "grpo-8"):
+    assert bm.flags("twice-turn-b0.7-w1-cap2") == ["--method=twice", "--twin_unit=turn", "--twin_budget=0.7",
+                                                   "--omega=1.0", "--twin_scale=rms", "--twin_cap=2.0"]
+    for bad in ("twice-turn-b0.2", "twice-word-b0.2-w1", "vineppo-kx", "sac", "grpo-8", "twice-turn-b0.7-w1-x2"):
         with pytest.raises(ValueError, match=f"cannot read the run label '{bad}'"):
             bm.flags(bad)
 
@@ -112,3 +119,20 @@ def test_the_committed_tables_are_rebuilt_from_the_committed_runs(tmp_path):
     assert rebuilt == open(os.path.join(src, "tables.md")).read()
     assert sorted(p.name for p in (tmp_path / "chains").glob("*.png")) == sorted(
         p for p in os.listdir(src) if p.endswith(".png"))
+
+
+def test_the_bounded_set_runs_on_its_own_results_and_verifies_the_world_first(tmp_path, monkeypatch):
+    """plan: every BOUNDED label on the dev seeds; run: the world check (`python -m worlds.build --verify`) runs before
+    any run, and a failing check stops the set; report bounded: that section alone."""
+    want = [(lab, s) for s in bm.DEV_SEEDS + bm.HELDOUT_SEEDS for lab in bm.BOUNDED]
+    assert bm.plan("bounded", str(tmp_path)) == want
+    calls = []
+    monkeypatch.setattr(bm.subprocess, "run", lambda argv, **kw: calls.append(argv) or SimpleNamespace(returncode=3))
+    assert bm.run_set("bounded", 1, "w", str(tmp_path / "s"), str(tmp_path)) == 1
+    assert calls == [[sys.executable, "-m", "worlds.build", "--verify", "w"]]
+    monkeypatch.undo()
+    proc = subprocess.run([sys.executable, "-m", "worlds.build", "--help"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0 and "--verify" in proc.stdout
+    text = bm.build_report(str(tmp_path), "bounded")
+    assert text.count("\n## ") == 2 and "Bounded twin term" in text and "No finished runs yet" in text
