@@ -130,9 +130,19 @@ def test_the_bounded_set_runs_on_its_own_results_and_verifies_the_world_first(tm
     monkeypatch.setattr(bm.subprocess, "run", lambda argv, **kw: calls.append(argv) or SimpleNamespace(returncode=3))
     assert bm.run_set("bounded", 1, "w", str(tmp_path / "s"), str(tmp_path)) == 1
     assert calls == [[sys.executable, "-m", "worlds.build", "--verify", "w"]]
+    with pytest.raises(SystemExit, match="a world of its own"):
+        bm.run_set("bounded", 1, "w", str(tmp_path / "s"))  # never into the committed benchmark's folder
     monkeypatch.undo()
     proc = subprocess.run([sys.executable, "-m", "worlds.build", "--help"], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
     assert proc.returncode == 0 and "--verify" in proc.stdout
     text = bm.build_report(str(tmp_path), "bounded")
     assert text.count("\n## ") == 2 and "Bounded twin term" in text and "No finished runs yet" in text
+
+
+def test_the_bounded_sets_tables_are_rebuilt_from_its_runs(tmp_path):
+    """results/chains-bounded/tables.md is `python -m lab.benchmark report bounded` of its committed runs."""
+    src = os.path.join(ROOT, "results", "chains-bounded")
+    assert len(os.listdir(os.path.join(src, "runs"))) == len(bm.plan("bounded", src))
+    shutil.copytree(src, tmp_path / "b", ignore=shutil.ignore_patterns("*.png"))
+    assert bm.build_report(str(tmp_path / "b"), "bounded") == open(os.path.join(src, "tables.md")).read()
