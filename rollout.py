@@ -433,8 +433,8 @@ def _twin_chunk(requests, c: int, chunk: int, cap, proto) -> list:
 
 
 def _twin_need(ep, t: int, proto) -> int:
-    """Positions of a twin of (ep, t)'s entry after its first turn, at most (kvbudget.need)."""
-    return min(len(ep.prompt_ids) + ep.turns[t].start + proto.max_new_tokens, proto.max_context)
+    """Positions of a twin of (ep, t)'s entry after its first turn, at most."""
+    return kvbudget.need(ep, proto, len(ep.prompt_ids) + ep.turns[t].start)
 
 
 def _twin_branch(i, ep, t, j, k, coupling, independent) -> Episode:

@@ -182,13 +182,14 @@ def token_twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
                                       cfg.omega, sigma)
     adv = credit.spread_over_tokens(turn_adv, rollout.turn_spans(episodes),
                                     batch["input_ids"].shape[1])
-    term = cfg.omega * credit.capped(a_flat / sigma, cfg.twin_cap)  # DEVIATION C7: the bound
+    scaled = a_flat / sigma
+    term = cfg.omega * credit.capped(scaled, cfg.twin_cap)  # DEVIATION C7: the bound
     for n in np.flatnonzero(branched):
         i, t = decisions.index[n]
         k = row[n] - table.offsets[n]
         adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start + k] += term[n]
     return adv, counters(twins, decisions, budget, fit,
-                         terms(cfg, episodes, a_traj, a_flat / sigma, adv, budget))
+                         terms(cfg, episodes, a_traj, scaled, adv, budget))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,9 +53,12 @@ def held(ep):
     return getattr(ep, "_kv", None)
 
 
-def need(ep, proto) -> int:
-    """Positions of the entry the episode's next turn ends with, at most."""
-    return min(len(ep.prompt_ids) + len(ep.ids) + proto.max_new_tokens, proto.max_context)
+def need(ep, proto, context=None) -> int:
+    """Positions of the entry the episode's next turn ends with, at most; context: the tokens
+    before that turn (default: the episode's whole context; a twin of turn t: those before t)."""
+    if context is None:
+        context = len(ep.prompt_ids) + len(ep.ids)
+    return min(context + proto.max_new_tokens, proto.max_context)
 
 
 def schedule(episodes, proto, cap: int) -> list:

@@ -444,8 +444,8 @@ def run_steps(cfg, dims, dtype, script, steps=1, scale=None, block=1, mixed="no"
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: tracker.tag([p.grad], "gradients/other"))
     metrics = {}
-    with tracker, owners(stack, run.accel, tagger(tracker, dims)), scripted(tok,
-                                                                            script), as_on_gpu(position_bytes):
+    with tracker, owners(stack, run.accel, tagger(tracker, dims)), scripted(tok, script), \
+            as_on_gpu(position_bytes):
         for step in range(steps):
             tracker.peaks, shapes = {}, {}
             tracker.tag(

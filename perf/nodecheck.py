@@ -57,11 +57,8 @@ def _device(tiny: bool):
 
 def outside(device):
     """GiB of this GPU in use outside torch's allocator (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    return (total - free - torch.cuda.memory_reserved(device)) / GIB
+    total = used(device)
+    return None if total is None else total - torch.cuda.memory_reserved(device) / GIB
 
 
 def used(device):
@@ -179,7 +176,7 @@ def retriever(device, rows: int, queries: int, gpus: int) -> dict:
             "queries_per_s": queries / search_s,
             "self_found": bool((found[:, 0] == np.arange(queries)).all()),
             "predicted_per_gpu_gib": rows * vectors.shape[1] * 2 / max(gpus, 1) / GIB
-            + (ledger.SERVER_GIB["temp"] - 1.0) + ledger.SERVER_GIB["context"]}
+            + dense.FAISS_TEMP / GIB + ledger.SERVER_GIB["context"]}
 
 
 def check(args) -> dict:
