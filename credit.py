@@ -196,6 +196,28 @@ def ht_credit(diffs, branched, q, baseline=None) -> np.ndarray:
     return a
 
 
+def line_out_advantages(rewards, group_size: int, rows=(), eps=1e-6) -> tuple:
+    """Trajectory advantages with a leave-one-line-out baseline (twin_data, DESIGN.md section 5):
+    factual line i of a group and every extra row of line i (its twins) get (U - b_i) / (s_g + eps),
+    b_i the mean outcome of the group's other factual lines (no baseline shares a row's luck: other
+    lines have other keys) and s_g the std (ddof 1) of the group's factual outcomes; a group whose
+    lines all agree takes the mean s_g of the batch's other groups (1 if none), so a twin that
+    disagrees with all five lines keeps a finite advantage. Neither depends on which twins were
+    drawn: each row's advantage is the one it would have at q = 1. rows: (line index i, U) pairs.
+    Returns (factual (N,), rows (len(rows),))."""
+    if group_size < 2:
+        raise ValueError(f"a leave-one-line-out baseline needs group_size >= 2, got {group_size}")
+    u = as_array(rewards).reshape(-1, group_size)  # (groups, G)
+    base = ((u.sum(1, keepdims=True) - u) / (group_size - 1)).reshape(-1)
+    std = u.std(1, ddof=1)
+    spread = std > 0
+    std[~spread] = std[spread].mean() if spread.any() else 1.0
+    line = np.array([i for i, _ in rows], dtype=int)
+    extra = as_array([r for _, r in rows]).reshape(-1)
+    fact = (u.reshape(-1) - base) / (std.repeat(group_size) + eps)
+    return fact, (extra - base[line]) / (std[line // group_size] + eps)
+
+
 def control_baseline(outcome, p) -> np.ndarray:
     """g_t = (2 U - 1) p_t: the predicted D = U - U' of a decision whose factual outcome is U in
     {0, 1} and whose twin disagrees with probability p_t (the predictor's, before this batch)."""

@@ -313,6 +313,23 @@ def load_policy(path: str, device=None, dtype=None):
     return model.to(device or "cpu").eval(), tokenizer
 
 
+def reference_model(cfg, device):
+    """The trainer's frozen reference in the rollout dtype: on the GPU, or with ref_offload in host
+    memory (pinned if the system lets every rank pin it: read asynchronously) until its log-prob
+    pass moves it (infra/weights.py's on_device)."""
+    import torch
+    ref, _ = load_policy(cfg.model, "cpu" if cfg.ref_offload else device,
+                         torch.bfloat16 if cfg.bf16 else torch.float32)
+    ref.requires_grad_(False)
+    if cfg.ref_offload and device.type == "cuda":
+        try:
+            for p in ref.parameters():
+                p.data = p.data.pin_memory()
+        except RuntimeError as e:
+            print(f"ref_offload: the reference stays in pageable memory ({e})", file=sys.stderr)
+    return ref
+
+
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a model on the Hugging Face hub: org/name
 DATA_FIELDS = ("train_data", "eval_data", "data")  # the scripts' QA file fields (comma-separated)
 

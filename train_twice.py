@@ -32,7 +32,6 @@ import contextlib
 import datetime
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,6 +96,8 @@ class Config(methods.BaselineConfig):
     twin_scale: str = "rms"         # sigma_hat: "rms" (of the nonzero A_hat as applied) or "d" (of D)
     twin_cap: float = 2.0           # |A_hat / sigma_hat| <= twin_cap: A_traj's scale (0 = no cap)
     control_variate: bool = False   # turn unit: A_hat = g + 1[branched] (D - g) / q, g = (2U - 1) p
+    twin_data: bool = False         # twins join their group as training rows, weighted 1/q (turn)
+    twin_from_turn: int = 0         # branch decisions at turns >= this only (a twin costs a suffix)
     scale_decay: float = 0.9        # EMA decay of sigma_hat
     line_keys: str = "group"        # key "line": "group" (the sample's line in its group) or "text"
     #                                 (the text line in the turn: keys restart after a newline)
@@ -132,6 +133,7 @@ class Config(methods.BaselineConfig):
     eval_tokens: int = 0            # also evaluate at the start and at every multiple of tokens
     eval_size: int = 0              # questions per periodic evaluation (0 = all; the final: all)
     save_every: int = 0             # steps between checkpoints (0 = only at the end)
+    log_grad_share: bool = True     # log the twin term's share of the policy-gradient norm (CPU)
     log_episodes: int = 2           # episodes per step logged as text and tokens (episodes.jsonl)
     keep_checkpoints: int = 2       # newest checkpoints kept besides the last (0 = keep all)
     log_tensorboard: bool = True    # every metric as TensorBoard scalars too (out_dir/tb)
@@ -144,7 +146,7 @@ class Config(methods.BaselineConfig):
         self.train_data = self.train_data or os.path.join(self.world, "train.jsonl")
         self.eval_data = self.eval_data or os.path.join(self.world, "test.jsonl")
         self.index = self.index or ("" if self.retriever_url else os.path.join(self.world, "index"))
-        if self.method == "twice" and self.omega == 0:  # --omega=0 has always meant GRPO
+        if self.method == "twice" and self.omega == 0 and not self.twin_data:  # GRPO, as always
             self.method = "grpo"
 
     def checks(self):
@@ -156,7 +158,7 @@ class Config(methods.BaselineConfig):
                     "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0, "keep_checkpoints": 0,
                     "log_episodes": 0, "sync_every": 1, "rank_timeout_s": 0,
-                    "kv_budget_gib": 0, "twin_cap": 0}
+                    "kv_budget_gib": 0, "twin_cap": 0, "twin_from_turn": 0}
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1,
                  "collective_timeout_h": 0}
         unit = ("top_p", "q_min", "fork_floor")  # fractions and probabilities in (0, 1]
@@ -169,6 +171,8 @@ class Config(methods.BaselineConfig):
                 [("method", self.method in methods.NAMES, f"one of {', '.join(methods.NAMES)}"),
                  ("twin_budget", self.twin_budget >= self.q_min, ">= q_min (below, every q_t is q_min)"),
                  ("control_variate", self.twin_unit == "turn" or not self.control_variate, "turn unit only"),
+                 ("twin_data", not self.twin_data or self.method in ("twice", "independent")
+                  and self.twin_unit == "turn" and self.coupling, "twice's turn unit, coupled"),
                  ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"),
                  ("omega", math.isfinite(self.omega), "finite"),
                  ("weight_decay", self.weight_decay >= 0, ">= 0"),
@@ -303,6 +307,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
             # 2.-6. Token advantages: TWICE's twin credit (twice.py), or the baseline's own.
             with accel.autocast() if run.method.autocast else contextlib.nullcontext():
                 adv, stats = run.method.advantages(run, step, episodes, batch, proto)
+            batch = stats.pop("batch", batch)  # twin_data: the twins' rows follow the episodes'
         finally:
             # No pass below reads a KV cache: the episodes' entries and the engine's slot cache go
             # now (the engine keeps its slot cache per model; a sampling copy dies with it).
@@ -323,6 +328,12 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
                 ref_lp, _ = logprobs.batch_logprobs(ref, batch, cfg.temperature,
                                                     cfg.micro_batch_size, False, cfg.max_context)
     times.mark("logprobs")
+    twin, share = stats.pop("twin_adv", None), {}
+    if cfg.log_grad_share and twin is not None:  # the twin term's share of the update's size
+        with accel.autocast():
+            share = logprobs.gradient_share(policy, batch, adv.new_tensor(twin[:, 1:]), adv,
+                                            cfg.temperature, cfg.micro_batch_size)
+        share = {"twin_grad_share": float(accel.reduce(adv.new_tensor(share), "mean"))}
 
     # 7. PPO-clip update with the k3 KL to the reference.
     run.policy.train()
@@ -335,7 +346,7 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
         raise diverged(step, "weight norm", f"{norm:.4g} (initial {run.weight_norm0:.4g})")
     times.mark("update")
     metrics = {"step": step, **batch_totals(accel, episodes, batch, ent), "lr": lr,
-               "sigma": run.sigma_hat.value, "weight_norm": norm, **update}
+               "sigma": run.sigma_hat.value, "weight_norm": norm, **update, **share}
     metrics.update(run.method.step_stats(accel, stats, metrics["factual_tokens"]))
     metrics.update(times.metrics(accel))
     return metrics
@@ -371,35 +382,6 @@ def run_eval(cfg, run, rows) -> dict:
         engine.free_cache(policy)  # the engine's slot cache is not held through the steps after it
 
 
-def reference_model(cfg: Config, device):
-    """The frozen reference in the rollout dtype: on the GPU, or with ref_offload in host memory
-    (pinned if the system lets every rank pin it: read asynchronously) until its log-prob pass
-    moves it (weights.on_device)."""
-    ref, _ = qa_eval.load_policy(cfg.model, "cpu" if cfg.ref_offload else device,
-                                 torch.bfloat16 if cfg.bf16 else torch.float32)
-    ref.requires_grad_(False)
-    if cfg.ref_offload and device.type == "cuda":
-        try:
-            for p in ref.parameters():
-                p.data = p.data.pin_memory()
-        except RuntimeError as e:
-            print(f"ref_offload: the reference stays in pageable memory ({e})", file=sys.stderr)
-    return ref
-
-
-def micro_batches(cfg: Config) -> int:
-    """Micro-batches per mini-batch on each rank, or a ValueError when the batch does not split."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.prompts_per_step % world:
-        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must divide over {world} "
-                         "processes")
-    per_rank = cfg.prompts_per_step // world * cfg.group_size
-    if per_rank % cfg.mini_batches:
-        raise ValueError(f"{per_rank} episodes per rank do not split into "
-                         f"mini_batches={cfg.mini_batches}")
-    return math.ceil(per_rank // cfg.mini_batches / cfg.micro_batch_size)
-
-
 def setup(cfg: Config, watch: bool = False) -> Run:
     """Accelerator, policy (fp32 master weights; bf16 under DeepSpeed, which keeps its own fp32
     master partition), frozen reference, optimizer, retriever, data."""
@@ -407,7 +389,7 @@ def setup(cfg: Config, watch: bool = False) -> Run:
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
     qa_eval.check_inputs(cfg)  # data, index and model paths, before anything loads
     cuda.require(cfg)  # a GPU run without a usable GPU: why (the driver?), in seconds
-    n_micro = micro_batches(cfg)
+    n_micro = config.micro_batches(cfg)
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=cfg.collective_timeout_h))
     accel = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", kwargs_handlers=[timeout],
                         gradient_accumulation_steps=n_micro, cpu=not torch.cuda.is_available())
@@ -435,7 +417,7 @@ def setup(cfg: Config, watch: bool = False) -> Run:
         adapter = lora.attach(policy, cfg)
         accel.register_save_state_pre_hook(lora.adapter_only)  # trainer/: the adapters alone
     else:
-        ref = reference_model(cfg, accel.device)
+        ref = qa_eval.reference_model(cfg, accel.device)
     opt = adamw.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
                       weight_decay=cfg.weight_decay)  # CPU: the same bits on every CPU
     policy, opt = accel.prepare(policy, opt)

@@ -35,6 +35,8 @@ replaces the advantages (DESIGN.md section 7). `Twice` adds steps 3-6;
 It knows no optimiser and no loss: episodes in, (B, L) advantages and counters out.
 Deviations (DESIGN.md section 13): T1, C6 and F1, tagged below.
 """
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -129,7 +131,8 @@ class Twice(Method):
 # Steps 2-6, the turn unit (the paper's)
 
 def twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
-    """Steps 2-6: (B, L) token advantages A = A_traj + omega A_hat / sigma_hat, and the counters."""
+    """Steps 2-6: (B, L) token advantages A = A_traj + omega A_hat / sigma_hat, and the counters
+    (with twin_data the twins' rows join the batch: stats["batch"], data_rows)."""
     # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
     a_traj = run.method.trajectory_advantages(episodes)
     decisions = decision_table(cfg, episodes)
@@ -147,15 +150,25 @@ def twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
     fit = learn(run, run.predictor, decisions.features, [n for n, _ in pairs], twins)
     sigma = scale_step(cfg, run, diffs, branched, budget.q, a_flat)
     # 6. Token advantage A = A_traj + omega clip(A_hat / sigma_hat, +-twin_cap) on the sampled
-    #    tokens of turn t.
+    #    tokens of turn t; with twin_data the twins are rows too (A_traj: leave one line out).
     a_hat = [np.zeros(len(ep.turns)) for ep in episodes]
     for (i, t), a in zip(decisions.index, a_flat):
         a_hat[i][t] = a
-    turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, sigma, cfg.twin_cap)
-    adv = credit.spread_over_tokens(turn_adv, rollout.turn_spans(episodes),
-                                    batch["input_ids"].shape[1])
-    return adv, counters(twins, decisions, budget, fit,
-                         terms(cfg, episodes, a_traj, a_flat / sigma, adv, budget))
+    rows, row_adv, row_traj = [], [], []
+    if getattr(cfg, "twin_data", False):
+        rows, row_adv, weights, a_traj, row_traj = data_rows(cfg, episodes, decisions, pairs,
+                                                             twins, budget.q, sigma)
+        batch = joined_batch(cfg, run, episodes + rows, weights, batch["input_ids"].device)
+    turn_adv = credit.turn_advantages(a_traj, a_hat, cfg.omega, sigma, cfg.twin_cap) + row_adv
+    spans, width = rollout.turn_spans(episodes + rows), batch["input_ids"].shape[1]
+    adv = credit.spread_over_tokens(turn_adv, spans, width)
+    traj = credit.spread_over_tokens([np.full(len(ep.turns), a) for ep, a in
+                                      zip(episodes + rows, list(a_traj) + row_traj)], spans, width)
+    out = counters(twins, decisions, budget, fit,
+                   terms(cfg, a_traj, a_flat / sigma, adv, traj, budget, episodes, len(rows)))
+    if rows:
+        out["batch"] = batch
+    return adv, {**out, "twin_adv": adv - traj}
 
 
 def token_twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
@@ -182,14 +195,15 @@ def token_twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
                                       cfg.omega, sigma)
     adv = credit.spread_over_tokens(turn_adv, rollout.turn_spans(episodes),
                                     batch["input_ids"].shape[1])
-    scaled = a_flat / sigma
+    traj, scaled = adv.copy(), a_flat / sigma
     term = cfg.omega * credit.capped(scaled, cfg.twin_cap)  # DEVIATION C7: the bound
     for n in np.flatnonzero(branched):
         i, t = decisions.index[n]
         k = row[n] - table.offsets[n]
         adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start + k] += term[n]
-    return adv, counters(twins, decisions, budget, fit,
-                         terms(cfg, episodes, a_traj, scaled, adv, budget))
+    return adv, {**counters(twins, decisions, budget, fit,
+                            terms(cfg, a_traj, scaled, adv, traj, budget, episodes)),
+                 "twin_adv": adv - traj}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +214,13 @@ def decision_table(cfg, episodes) -> "rollout.Decisions":
     is a feature of the discordance predictor."""
     rewards = np.array([ep.reward for ep in episodes])
     group_success = rewards.reshape(-1, cfg.group_size).mean(1).repeat(cfg.group_size)
-    return rollout.decision_table(episodes, group_success)
+    table = rollout.decision_table(episodes, group_success)
+    late = getattr(cfg, "twin_from_turn", 0)
+    if late:  # late branching: only decisions at turns >= twin_from_turn (a twin is a suffix)
+        keep = [n for n, (_, t) in enumerate(table.index) if t >= late]
+        table = rollout.Decisions([table.index[n] for n in keep], table.features[keep],
+                                  table.cost[keep])
+    return table
 
 
 def branch(cfg, step: int, episodes, decisions, p, cost) -> tuple:
@@ -225,13 +245,58 @@ def roll_twins(cfg, run, episodes, decisions, branched, proto, forks_at=None) ->
     # memory: the other caches die before any twin runs
     branching = {id(ep) for ep, _, _ in requests}
     rollout.release_caches([ep for ep in episodes if id(ep) not in branching])
+    # twin_data: no shortcut (a same-evidence twin would be a row without its continuation)
+    shortcut = cfg.same_evidence_shortcut and not getattr(cfg, "twin_data", False)
     twins = rollout.run_twins(run.method.policy(run), run.tok, run.retriever, requests, proto,
-                              cfg.coupling, cfg.same_evidence_shortcut,
+                              cfg.coupling, shortcut,
                               run.method.independent_twins, ks, cfg.twin_chunk, release=True)
     diffs = [[] for _ in decisions.index]
     for (n, _), twin in zip(pairs, twins):
         diffs[n].append(twin.diff)
     return pairs, twins, diffs
+
+
+def data_rows(cfg, episodes, decisions, pairs, twins, q, sigma) -> tuple:
+    """twin_data: every twin a training row of its prompt's group (DESIGN.md section 5). Its tokens
+    before turn t are its factual line's and get loss weight 0 (trained in that row); from turn t
+    on they get 1/q_t: Horvitz-Thompson, so over the branch draws the rows sum to the rows of every
+    decision's twin (q = 1), though q_t was chosen from the factual outcome. A self-twin's row is
+    its factual line from turn t on (the same keys give the same tokens); same-evidence twins are
+    rolled out (roll_twins). A line and its twins get A_traj = U minus the mean outcome of the
+    group's other lines (credit.line_out_advantages); a twin's turn t adds the mirrored pair credit
+    -omega clip(D / sigma_hat, +-twin_cap), D = U - U'. Returns (rows, their turn advantages,
+    weights, the factual lines' A_traj, the rows' A_traj)."""
+    rows, owners = [], []
+    for (n, _), tw in zip(pairs, twins):
+        i, t = decisions.index[n]
+        if tw.kind == "self":
+            row = dataclasses.replace(episodes[i], mask=list(episodes[i].mask), branch_turn=t)
+        elif tw.kind == "rollout":
+            row = tw.twin
+        else:
+            raise ValueError(f"twin_data: a {tw.kind!r} twin has no continuation to train on")
+        rollout.mask_shared_prefix(row)
+        rows.append(row)
+        owners.append((n, i, t, tw.diff))
+    a_traj, a_rows = credit.line_out_advantages([ep.reward for ep in episodes], cfg.group_size,
+                                                [(i, r.reward) for (_, i, _, _), r
+                                                 in zip(owners, rows)], cfg.adv_eps)
+    row_adv = []
+    for (n, i, t, d), row, a in zip(owners, rows, a_rows):
+        adv = np.full(len(row.turns), a)
+        adv[t] += cfg.omega * credit.capped(-d / sigma, cfg.twin_cap)
+        row_adv.append(adv)
+    weights = [1.0 / q[n] for n, _, _, _ in owners]
+    return rows, row_adv, weights, a_traj, list(a_rows)
+
+
+def joined_batch(cfg, run, rows, weights, device) -> dict:
+    """collate's batch of the factual lines and the twins' rows after them; the twins' loss mask
+    holds their weights (the loss is a weighted token mean: train_twice.ppo_update)."""
+    batch = rollout.collate(rows, run.tok.pad_token_id, cfg.max_context)
+    mask = batch["loss_mask"].to(torch.float32)
+    mask[len(rows) - len(weights):] *= torch.tensor(weights, dtype=torch.float32)[:, None]
+    return {**{k: v.to(device) for k, v in batch.items()}, "loss_mask": mask.to(device)}
 
 
 def learn(run, predictor, features, rows, twins) -> tuple:
@@ -266,19 +331,19 @@ def counters(twins, decisions, budget, fit, term_sums) -> dict:
             "predictor_brier": brier, "q_mean": q_mean, "terms": term_sums}
 
 
-def terms(cfg, episodes, a_traj, scaled, adv, budget) -> tuple:
+def terms(cfg, a_traj, scaled, adv, traj, budget, episodes, rows: int = 0) -> tuple:
     """This rank's figures of the twin term's size (summed over ranks by term_stats): largest
     |A_traj|, largest |twin term| = omega |clip(A_hat / sigma_hat, +-twin_cap)|, decisions with a
-    nonzero term and those the cap clipped, the term's and A_traj's absolute mass over sampled
-    tokens, the twin tokens spent (sum q_t c_t) and the factual tokens."""
+    nonzero term and those the cap clipped, the term's and A_traj's absolute mass over the factual
+    rows' sampled tokens (adv - traj and traj), the twin tokens spent (sum q_t c_t), the factual
+    tokens and the twins' training rows (twin_data)."""
     nonzero = scaled[scaled != 0]
     term = cfg.omega * credit.capped(nonzero, cfg.twin_cap)
-    traj = credit.spread_over_tokens([np.full(len(ep.turns), a) for ep, a in zip(episodes, a_traj)],
-                                     rollout.turn_spans(episodes), adv.shape[1])
+    n = len(episodes)
     return (float(np.abs(a_traj).max(initial=0.0)), float(np.abs(term).max(initial=0.0)),
             len(nonzero), int((np.abs(nonzero) > cfg.twin_cap).sum()) if cfg.twin_cap > 0 else 0,
-            float(np.abs(adv - traj).sum()), float(np.abs(traj).sum()), budget.spent,
-            sum(ep.n_generated for ep in episodes))
+            float(np.abs(adv[:n] - traj[:n]).sum()), float(np.abs(traj[:n]).sum()), budget.spent,
+            sum(ep.n_generated for ep in episodes), rows)
 
 
 def term_stats(accel, sums) -> dict:
@@ -286,12 +351,12 @@ def term_stats(accel, sums) -> dict:
     twin_cap, the bound), twin_capped (share of nonzero terms the cap clipped), twin_adv_share
     (the term's share of the absolute advantage mass on sampled tokens) and
     twin_budget_effective (sum q_t c_t / factual tokens: above twin_budget when the q_min floor
-    binds)."""
-    rows = np.array(gather_list(accel, [sums]), dtype=float).reshape(-1, 8)
-    n, clipped, twin, traj, spent, factual = rows[:, 2:].sum(0)
+    binds), twin_rows (the twins trained on as rows: twin_data)."""
+    rows = np.array(gather_list(accel, [sums]), dtype=float).reshape(-1, 9)
+    n, clipped, twin, traj, spent, factual, data = rows[:, 2:].sum(0)
     return {"a_traj_max": rows[:, 0].max(), "twin_term_max": rows[:, 1].max(),
             "twin_capped": clipped / max(n, 1), "twin_adv_share": twin / max(twin + traj, 1e-12),
-            "twin_budget_effective": spent / max(factual, 1)}
+            "twin_budget_effective": spent / max(factual, 1), "twin_rows": int(data)}
 
 
 TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant",

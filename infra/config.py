@@ -206,3 +206,17 @@ def cli(cls, argv=None, prog: str = "", presets: bool = True):
     except (ValueError, OSError) as e:
         print(f"{prog or sys.argv[0]}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def micro_batches(cfg) -> int:
+    """The trainer's micro-batches per mini-batch on each rank, or a ValueError when the batch does
+    not split."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.prompts_per_step % world:
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must divide over {world} "
+                         "processes")
+    per_rank = cfg.prompts_per_step // world * cfg.group_size
+    if per_rank % cfg.mini_batches:
+        raise ValueError(f"{per_rank} episodes per rank do not split into "
+                         f"mini_batches={cfg.mini_batches}")
+    return math.ceil(per_rank // cfg.mini_batches / cfg.micro_batch_size)
