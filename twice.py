@@ -165,7 +165,7 @@ def twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
     traj = credit.spread_over_tokens([np.full(len(ep.turns), a) for ep, a in
                                       zip(episodes + rows, list(a_traj) + row_traj)], spans, width)
     out = counters(twins, decisions, budget, fit,
-                   terms(cfg, a_traj, a_flat / sigma, adv, traj, budget, episodes, len(rows)))
+                   terms(cfg, a_traj, a_flat / sigma, adv, traj, budget, episodes, twins, len(rows)))
     if rows:
         out["batch"] = batch
     return adv, {**out, "twin_adv": adv - traj}
@@ -202,7 +202,7 @@ def token_twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
         k = row[n] - table.offsets[n]
         adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start + k] += term[n]
     return adv, {**counters(twins, decisions, budget, fit,
-                            terms(cfg, a_traj, scaled, adv, traj, budget, episodes)),
+                            terms(cfg, a_traj, scaled, adv, traj, budget, episodes, twins)),
                  "twin_adv": adv - traj}
 
 
@@ -331,19 +331,30 @@ def counters(twins, decisions, budget, fit, term_sums) -> dict:
             "predictor_brier": brier, "q_mean": q_mean, "terms": term_sums}
 
 
-def terms(cfg, a_traj, scaled, adv, traj, budget, episodes, rows: int = 0) -> tuple:
+def terms(cfg, a_traj, scaled, adv, traj, budget, episodes, twins, rows: int = 0) -> tuple:
     """This rank's figures of the twin term's size (summed over ranks by term_stats): largest
     |A_traj|, largest |twin term| = omega |clip(A_hat / sigma_hat, +-twin_cap)|, decisions with a
     nonzero term and those the cap clipped, the term's and A_traj's absolute mass over the factual
     rows' sampled tokens (adv - traj and traj), the twin tokens spent (sum q_t c_t), the factual
-    tokens and the twins' training rows (twin_data)."""
+    tokens, the twins' training rows (twin_data) and the census of discordant twins: D = +1 / -1
+    in a group whose factual lines all agree (constant: A_traj = 0) or not (mixed)."""
+    reward = np.array([ep.reward for ep in episodes]).reshape(-1, cfg.group_size)
+    constant = np.ptp(reward, axis=1) == 0 if len(reward) else np.zeros(0, bool)
+    line = {(ep.uid, ep.line): i // cfg.group_size for i, ep in enumerate(episodes)}
+    sign = [(tw.diff > 0, bool(constant[line[tw.twin.uid, tw.twin.line]]))
+            for tw in twins if tw.diff != 0]
     nonzero = scaled[scaled != 0]
     term = cfg.omega * credit.capped(nonzero, cfg.twin_cap)
     n = len(episodes)
     return (float(np.abs(a_traj).max(initial=0.0)), float(np.abs(term).max(initial=0.0)),
             len(nonzero), int((np.abs(nonzero) > cfg.twin_cap).sum()) if cfg.twin_cap > 0 else 0,
             float(np.abs(adv[:n] - traj[:n]).sum()), float(np.abs(traj[:n]).sum()), budget.spent,
-            sum(ep.n_generated for ep in episodes), rows)
+            sum(ep.n_generated for ep in episodes), rows,
+            *[sign.count(key) for key in CENSUS_KEYS])
+
+
+CENSUS_KEYS = ((True, True), (True, False), (False, True), (False, False))
+CENSUS = ("census_pos_constant", "census_pos_mixed", "census_neg_constant", "census_neg_mixed")
 
 
 def term_stats(accel, sums) -> dict:
@@ -351,12 +362,13 @@ def term_stats(accel, sums) -> dict:
     twin_cap, the bound), twin_capped (share of nonzero terms the cap clipped), twin_adv_share
     (the term's share of the absolute advantage mass on sampled tokens) and
     twin_budget_effective (sum q_t c_t / factual tokens: above twin_budget when the q_min floor
-    binds), twin_rows (the twins trained on as rows: twin_data)."""
-    rows = np.array(gather_list(accel, [sums]), dtype=float).reshape(-1, 9)
-    n, clipped, twin, traj, spent, factual, data = rows[:, 2:].sum(0)
+    binds), twin_rows (the twins trained on as rows: twin_data), the discordant twins' census."""
+    rows = np.array(gather_list(accel, [sums]), dtype=float).reshape(-1, 9 + len(CENSUS))
+    n, clipped, twin, traj, spent, factual, data, *census = rows[:, 2:].sum(0)
     return {"a_traj_max": rows[:, 0].max(), "twin_term_max": rows[:, 1].max(),
             "twin_capped": clipped / max(n, 1), "twin_adv_share": twin / max(twin + traj, 1e-12),
-            "twin_budget_effective": spent / max(factual, 1), "twin_rows": int(data)}
+            "twin_budget_effective": spent / max(factual, 1), "twin_rows": int(data),
+            **{k: int(v) for k, v in zip(CENSUS, census)}}
 
 
 TWIN_COUNTERS = ("decisions", "twins", "self_twins", "shortcuts", "twin_rollouts", "discordant",

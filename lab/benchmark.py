@@ -56,6 +56,9 @@ LONG = 3  # the long set's token budget: 3 x compare-methods.cfg's (360k)
 # the bounded twin term against the estimator the benchmark ran and GRPO at 5 and 8 lines, at the paper's knobs
 # (turn unit, budget 0.7, omega 1: defaults, not chosen), on a world of its own (`--results`)
 BOUNDED = ("grpo", "grpo-g8", "twice-turn-b0.7-w1", "twice-turn-b0.7-w1-cap2")
+# twins as training rows, on a world of its own: the dev choice between budgets and late branching (rms scale, cap 2)
+SAMPLES_SWEEP = ("grpo", "twice-turn-b0.7-w1-cap2-data", "twice-turn-b0.25-w1-cap2-data",
+                 "twice-turn-b0.7-w1-cap2-data-late1", "twice-turn-b0.7-w1-cap2-data-late2")
 
 
 def num(x: float) -> str:
@@ -81,15 +84,21 @@ def flags(label: str) -> list:
                           ] + ([f"--group_size={int(parts[1][1:])}"] if len(parts) == 2 else [])
         # the estimator the committed runs used (the defaults before 2026-12-05: scale of D, no cap)
         as_run = ["--twin_scale=d", "--twin_cap=0"]
-        if parts[0] == "twice" and len(parts) in (4, 5) and parts[1] in ("turn", "token"):
-            if len(parts) == 5:  # "-capC": the bounded twin term (rms scale, cap C; DESIGN.md section 5)
-                if not parts[4].startswith("cap"):
+        if parts[0] == "twice" and len(parts) >= 4 and parts[1] in ("turn", "token"):
+            extra = []
+            for part in parts[4:]:  # "-capC": the bounded term (rms scale, cap C; DESIGN.md section 5);
+                if part.startswith("cap"):  # "-data": twins as rows; "-lateK": decisions at turns >= K
+                    as_run = ["--twin_scale=rms", f"--twin_cap={float(part[3:])}"]
+                elif part == "data":
+                    extra.append("--twin_data=true")
+                elif part.startswith("late"):
+                    extra.append(f"--twin_from_turn={int(part[4:])}")
+                else:
                     raise ValueError(unreadable)
-                as_run = ["--twin_scale=rms", f"--twin_cap={float(parts[4][3:])}"]
             return out + [
                 "--method=twice", f"--twin_unit={parts[1]}", f"--twin_budget={float(parts[2][1:])}",
                 f"--omega={float(parts[3][1:])}"
-            ] + as_run
+            ] + as_run + extra
         if parts[0] == "independent" and len(parts) == 3:
             return out + ["--method=independent", f"--twin_budget={float(parts[1][1:])}",
                           f"--omega={float(parts[2][1:])}"] + as_run
@@ -189,6 +198,38 @@ def chosen(results: str = RESULTS, need: str = "knobs") -> dict:
     return out
 
 
+def per_update(runs: list) -> float:
+    """Mean generated tokens per update over a label's runs."""
+    return float(np.mean([rows[-1]["tokens"] / max(r["step"] for r in rows) for _, rows in runs]))
+
+
+def samples_chosen(results: str) -> dict:
+    """The samples set's choices (results/.../chosen.json; written once, from the complete
+    samples-sweep on the dev seeds): the twin-data arm with the highest mean dev AUC, and
+    GRPO-matched, GRPO with G = round(5 x that arm's tokens per update / GRPO's)."""
+    path = os.path.join(results, "chosen.json")
+    if os.path.isfile(path):
+        return json.load(open(path))
+    runs = collect(SAMPLES_SWEEP, DEV_SEEDS, results)
+    arm = best(runs, list(SAMPLES_SWEEP[1:]))
+    ratio = per_update(runs[arm]) / per_update(runs["grpo"])
+    out = {"twice_data": arm, "grpo_matched": f"grpo-g{round(5 * ratio)}",
+           "tokens_per_update_ratio": round(ratio, 3),
+           "rule": "twin-data arm: highest mean AUC over seeds 0-2; GRPO-matched: G = round(5 x its "
+                   "tokens per update / GRPO's) over seeds 0-2",
+           "chosen_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    write_json(path, out)
+    return out
+
+
+def samples_labels(ch: dict) -> list:
+    """GRPO, GRPO-matched, the two sample-makers that beat GRPO on chains, TWICE credit only
+    (bounded), TWICE with twins as rows and the same with omega = 0 (the rows alone)."""
+    data = ch["twice_data"]
+    return ["grpo", ch["grpo_matched"], "tree_grpo", "arpo", "twice-turn-b0.7-w1-cap2", data,
+            data.replace("-w1-", "-w0-")]
+
+
 def dev_labels(ch: dict) -> list:
     return [
         "grpo", "grpo-g8", ch["twice-turn"], ch["twice-token"], ch["independent"], ch["vineppo"],
@@ -212,13 +253,18 @@ def plan(name: str, results: str = RESULTS) -> list:
         labels, seeds = dev_labels(ch), HELDOUT_SEEDS
     elif name == "bounded":
         labels, seeds = BOUNDED, DEV_SEEDS + HELDOUT_SEEDS
+    elif name == "samples-sweep":
+        labels, seeds = SAMPLES_SWEEP, DEV_SEEDS
+    elif name == "samples":  # dev seeds first (seed-major); the choices were frozen on them
+        labels, seeds = samples_labels(samples_chosen(results)), DEV_SEEDS + HELDOUT_SEEDS
     elif name == "long":
         ch = chosen(results, need="long")
         labels, seeds = [f"{lab}-360k"
                          for lab in ("grpo", ch["best_twice"], ch["best_other"])], LONG_SEEDS
     else:
         raise SystemExit(
-            f"lab/benchmark.py: unknown set {name!r}; choose sweep, sweep-omega, dev, heldout, long or bounded"
+            f"lab/benchmark.py: unknown set {name!r}; choose sweep, sweep-omega, dev, heldout, long, bounded, "
+            "samples-sweep or samples"
         )
     return [(lab, s) for s in seeds for lab in labels]
 
@@ -292,9 +338,9 @@ def run_one(label: str, seed: int, world: str, scratch: str, results: str, extra
 
 
 def run_set(name: str, jobs: int, world: str, scratch: str, results: str = RESULTS) -> int:
-    if name == "bounded" and os.path.abspath(results) == os.path.abspath(RESULTS):
-        raise SystemExit("lab/benchmark.py: the bounded set runs on a world of its own, beside the committed "
-                         "benchmark: --world worlds/chains-0 --results results/chains-bounded")
+    if name.startswith(("bounded", "samples")) and os.path.abspath(results) == os.path.abspath(RESULTS):
+        raise SystemExit(f"lab/benchmark.py: the {name} set runs on a world of its own, beside the committed "
+                         f"benchmark: --world worlds/chains-0 --results results/chains-{name.split('-')[0]}")
     todo = [(lab, s) for lab, s in plan(name, results) if not finished(run_dir(lab, s, results))]
     print(
         f"lab/benchmark.py: set {name}: {len(todo)} runs to do, {jobs} at a time, outputs in {scratch}",

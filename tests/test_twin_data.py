@@ -155,6 +155,8 @@ def test_the_trainer_trains_on_twin_rows_and_logs_them(tiny_world, tmp_path):
     tt.main(tiny_cfg(committed, out2, "--steps=1", "--twin_data=true"))
     r = [r for r in read_metrics(out2) if "twin_rows" in r][0]
     assert r["twin_rows"] > 0 and 0 < r["twin_grad_share"] < 1 and 0 < r["twin_term_max"] <= 2.0
+    census = [r[k] for k in twice.CENSUS]  # every discordant twin in one cell; an agreeing group's are all one sign
+    assert sum(census) == r["discordant"] > 0
     with pytest.raises(ValueError, match="twin_data=True .must be twice's turn unit, coupled"):
         tt.parse_config(["--twin_data=true", "--twin_unit=token"])
     assert tt.parse_config(["--twin_data=true", "--omega=0"]).method == "twice"
