@@ -25,6 +25,10 @@ The sets, in the order they may run (each refuses to start before what it depend
     long         seeds 10-12 at 360k tokens: GRPO, the best TWICE variant and the best other method (by dev AUC)
     bounded      seeds 0-2 and 10-15 on a world of its own (--world, --results): GRPO, GRPO with 8 lines, TWICE at
                  the paper's knobs with the estimator above and with the bounded twin term ("-cap2"); no choice made
+    samples-sweep  dev seeds 0-2 on a world of its own: GRPO and TWICE with twins as training rows ("-data") at
+                 budgets 0.7 and 0.25, and at 0.7 branching from turn 1 on only ("-late1")
+    samples      seeds 0-2, then 10-15: GRPO, GRPO-matched (G raised to the chosen twin-data arm's tokens per
+                 update), Tree-GRPO, ARPO, TWICE bounded (credit only), the chosen twin-data arm and it at omega 0
 Knobs are chosen by one rule, the highest mean area under EM-vs-tokens over the development seeds,
 and written to results/chains/chosen.json before the first run that needs them; an existing
 chosen.json is never rewritten.
@@ -58,7 +62,7 @@ LONG = 3  # the long set's token budget: 3 x compare-methods.cfg's (360k)
 BOUNDED = ("grpo", "grpo-g8", "twice-turn-b0.7-w1", "twice-turn-b0.7-w1-cap2")
 # twins as training rows, on a world of its own: the dev choice between budgets and late branching (rms scale, cap 2)
 SAMPLES_SWEEP = ("grpo", "twice-turn-b0.7-w1-cap2-data", "twice-turn-b0.25-w1-cap2-data",
-                 "twice-turn-b0.7-w1-cap2-data-late1", "twice-turn-b0.7-w1-cap2-data-late2")
+                 "twice-turn-b0.7-w1-cap2-data-late1")
 
 
 def num(x: float) -> str:
@@ -255,8 +259,11 @@ def plan(name: str, results: str = RESULTS) -> list:
         labels, seeds = BOUNDED, DEV_SEEDS + HELDOUT_SEEDS
     elif name == "samples-sweep":
         labels, seeds = SAMPLES_SWEEP, DEV_SEEDS
-    elif name == "samples":  # dev seeds first (seed-major); the choices were frozen on them
+    elif name == "samples":  # the four that answer the question first, every seed (dev first), then the rest
         labels, seeds = samples_labels(samples_chosen(results)), DEV_SEEDS + HELDOUT_SEEDS
+        first = [labels[i] for i in (0, 1, 5, 6)]
+        return [(lab, s) for group in (first, [lab for lab in labels if lab not in first])
+                for s in seeds for lab in group]
     elif name == "long":
         ch = chosen(results, need="long")
         labels, seeds = [f"{lab}-360k"
@@ -306,9 +313,11 @@ def run_one(label: str, seed: int, world: str, scratch: str, results: str, extra
     the log. `extra` flags come last (the tests' small runs)."""
     out, dest = os.path.join(os.path.abspath(scratch), f"{label}-seed{seed}"), run_dir(
         label, seed, results)
+    # held-out runs skip the gradient-share diagnostic: two more backward passes a step, no trained number changes
+    quiet = ["--log_grad_share=false"] if seed in HELDOUT_SEEDS else []
     argv = [
         sys.executable, "train_twice.py", *CONFIGS, *(["--world=" + world] if world else []),
-        *flags(label), f"--seed={seed}", f"--out_dir={out}", "--overwrite", *extra
+        *flags(label), f"--seed={seed}", f"--out_dir={out}", "--overwrite", *quiet, *extra
     ]
     os.makedirs(os.path.dirname(out), exist_ok=True)
     start, code = time.time(), commit()
@@ -399,7 +408,53 @@ def breakeven(runs: dict, base: str = "grpo") -> str:
     return "\n".join(out)
 
 
-def section(title: str, runs: dict, png: str) -> list:
+def at_updates(runs: dict, base: str) -> str:
+    """Markdown: per label, its final EM against the base's EM after as many updates (the base's
+    curve interpolated in updates, same seed): a per-update comparison, fair when the base spends
+    the label's tokens per update (GRPO-matched)."""
+    out = ["| run | seeds | updates | tokens per update / base's | final EM - base's at those updates (paired) |",
+           "|---|---:|---:|---:|---:|"]
+    base_runs = {cfg["seed"]: rows for cfg, rows in runs.get(base, [])}
+    for lab, seeds in runs.items():
+        diffs, ns, cs = [], [], []
+        for cfg, rows in seeds:
+            if cfg["seed"] in base_runs:
+                b, mine = base_runs[cfg["seed"]], updates_curve(rows)
+                diffs.append(mine[-1][1] - np.interp(mine[-1][0], *zip(*updates_curve(b))))
+                ns.append(mine[-1][0])
+                cs.append(per_update([(cfg, rows)]) / per_update([(None, b)]))
+        if diffs:
+            se = np.std(diffs, ddof=1) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+            out.append(f"| {lab} | {len(diffs)} | {np.mean(ns):.1f} | {np.mean(cs):.2f} | "
+                       f"{np.mean(diffs):+.3f} +- {se:.3f} |")
+    return "\n".join(out)
+
+
+def census(runs: dict) -> str:
+    """Markdown: per TWICE label, the step log's twin figures over its runs: twin rows and
+    discordant twins per step, the discordant twins' census (D = +1 / -1 in a group whose factual
+    lines all agree, constant, or not, mixed), the twin term's share of the gradient norm and of
+    the advantage mass, and the largest twin term."""
+    keys = ("census_pos_constant", "census_pos_mixed", "census_neg_constant", "census_neg_mixed")
+    out = ["| run | seeds | twin rows / step | discordant / step | D=+1 constant | D=+1 mixed | D=-1 constant | "
+           "D=-1 mixed | grad-norm share | advantage share | largest twin term |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lab, seeds in runs.items():
+        steps = [r for _, rows in seeds for r in rows if "discordant" in r]
+        if not steps or keys[0] not in steps[0]:
+            continue
+        disc = sum(r["discordant"] for r in steps)
+        cells = [f"{sum(r[k] for r in steps) / max(disc, 1):.2f}" for k in keys]
+        share = [r["twin_grad_share"] for r in steps if "twin_grad_share" in r]
+        out.append(f"| {lab} | {len(seeds)} | {np.mean([r.get('twin_rows', 0) for r in steps]):.1f} | "
+                   f"{disc / len(steps):.1f} | {' | '.join(cells)} | "
+                   f"{np.mean(share) if share else float('nan'):.3f} | "
+                   f"{np.mean([r['twin_adv_share'] for r in steps]):.3f} | "
+                   f"{max(r['twin_term_max'] for r in steps):.2f} |")
+    return "\n".join(out)
+
+
+def section(title: str, runs: dict, png: str, matched: str = "") -> list:
     runs = {lab: v for lab, v in runs.items() if v}
     if not runs:
         return [f"## {title}", "", "No finished runs yet.", ""]
@@ -407,12 +462,31 @@ def section(title: str, runs: dict, png: str) -> list:
     if "grpo" in runs:
         out += ["Paired with GRPO (mean +- SE over seeds):", "", report.paired([], runs=runs), "",
                 "What an update costs and gains against GRPO's:", "", breakeven(runs), ""]
+    if matched in runs:
+        out += [f"Per update against GRPO-matched ({matched}: about the tokens per update of the twin-data arms):",
+                "", at_updates(runs, matched), ""]
+    if any(lab.startswith("twice") for lab in runs):
+        out += ["The twin term and the discordant twins (step logs; census: shares of the discordant twins):", "",
+                census(runs), ""]
     return out
 
 
 def build_report(results: str = RESULTS, only: str = "") -> str:
     """results/chains/tables.md and the PNGs from results/chains/runs alone (only = "bounded":
     that set's section alone, for its own results folder)."""
+    if only == "samples":
+        title, ch = "Twins as training samples, ", samples_chosen(results) if os.path.isfile(
+            os.path.join(results, "chosen.json")) else {}
+        sets = [("Twins as samples: the dev choice (budget, late branching), seeds 0-2", list(SAMPLES_SWEEP),
+                 DEV_SEEDS, "samples-sweep")]
+        if ch:
+            sets += [(title + "seeds 0-2", samples_labels(ch), DEV_SEEDS, "samples-dev"),
+                     (title + "seeds 10-15", samples_labels(ch), HELDOUT_SEEDS, "samples-heldout")]
+        head = ["Chosen on the development seeds (chosen.json): " + ", ".join(
+            f"{k} = {v}" for k, v in sorted(ch.items()) if k not in ("rule", "chosen_at")) +
+            f"; rule: {ch.get('rule')}; written {ch.get('chosen_at')}.", ""] if ch else []
+        return write_tables(results, head, sets, {}, "`python -m lab.benchmark report samples --results DIR` "
+                            "from DIR/runs", ch.get("grpo_matched", ""))
     if only == "bounded":
         title = "Bounded twin term against the benchmark's estimator and GRPO, "
         return write_tables(results, [], [(title + "seeds 0-2", list(BOUNDED), DEV_SEEDS, "bounded-dev"),
@@ -444,7 +518,7 @@ def build_report(results: str = RESULTS, only: str = "") -> str:
 
 
 def write_tables(results: str, head: list, sets: list, rename: dict,
-                 made_by: str = "`python -m lab.benchmark report` from results/chains/runs") -> str:
+                 made_by: str = "`python -m lab.benchmark report` from results/chains/runs", matched: str = "") -> str:
     lines = [f"# Benchmark tables (generated by {made_by}; do not edit)", ""] + head
     for title, labels, seeds, tag in sets:
         runs = collect(labels, seeds, results, need_all=False)
@@ -457,7 +531,7 @@ def write_tables(results: str, head: list, sets: list, rename: dict,
         # the seeds in its name may have grown
         for stale in glob.glob(os.path.join(results, f"{tag}_seeds*.png")):
             os.remove(stale)
-        lines += section(title, runs, os.path.join(results, f"{tag}_seeds{{seeds}}.png"))
+        lines += section(title, runs, os.path.join(results, f"{tag}_seeds{{seeds}}.png"), matched)
         lines += [
             f"{len(walls)} of {len(labels) * len(seeds)} runs done; {sum(walls) / 3600:.2f} h of run time "
             "(one thread each, the sum over runs).", ""
@@ -473,7 +547,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="lab/benchmark.py", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["run", "report", "plan"])
     parser.add_argument("set", nargs="?",
-                        help="sweep, sweep-omega, dev, heldout, long or bounded (run, plan; report: bounded)")
+                        help="sweep, sweep-omega, dev, heldout, long, bounded, samples-sweep or samples (run, "
+                             "plan; report: bounded or samples)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
     parser.add_argument("--world", default="",
                         help="the chains world folder (default: configs/chains.cfg's)")

@@ -41,7 +41,11 @@ def test_labels_read_as_train_flags():
     assert bm.flags("tree_grpo") == ["--method=tree_grpo"]
     assert bm.flags("twice-turn-b0.7-w1-cap2") == ["--method=twice", "--twin_unit=turn", "--twin_budget=0.7",
                                                    "--omega=1.0", "--twin_scale=rms", "--twin_cap=2.0"]
-    for bad in ("twice-turn-b0.2", "twice-word-b0.2-w1", "vineppo-kx", "sac", "grpo-8", "twice-turn-b0.7-w1-x2"):
+    assert bm.flags("twice-turn-b0.25-w0-cap2-data-late1") == [
+        "--method=twice", "--twin_unit=turn", "--twin_budget=0.25", "--omega=0.0", "--twin_scale=rms", "--twin_cap=2.0",
+        "--twin_data=true", "--twin_from_turn=1"]
+    for bad in ("twice-turn-b0.2", "twice-word-b0.2-w1", "vineppo-kx", "sac", "grpo-8", "twice-turn-b0.7-w1-x2",
+                "twice-turn-b0.7-w1-latex"):
         with pytest.raises(ValueError, match=f"cannot read the run label '{bad}'"):
             bm.flags(bad)
 
@@ -146,3 +150,34 @@ def test_the_bounded_sets_tables_are_rebuilt_from_its_runs(tmp_path):
     assert len(os.listdir(os.path.join(src, "runs"))) == len(bm.plan("bounded", src))
     shutil.copytree(src, tmp_path / "b", ignore=shutil.ignore_patterns("*.png"))
     assert bm.build_report(str(tmp_path / "b"), "bounded") == open(os.path.join(src, "tables.md")).read()
+
+
+def test_the_samples_set_freezes_its_arm_and_grpo_matched_on_the_dev_seeds(tmp_path, monkeypatch):
+    """samples-sweep on the dev seeds; samples waits for it, then chooses the twin-data arm by dev AUC and GRPO-matched
+    by that arm's tokens per update (written once); its plan runs GRPO, GRPO-matched, the arm and the arm at omega 0
+    on every seed before the rest; the report gives the per-update table against GRPO-matched and the census."""
+    r = str(tmp_path)
+    assert bm.plan("samples-sweep", r) == [(lab, s) for s in bm.DEV_SEEDS for lab in bm.SAMPLES_SWEEP]
+    with pytest.raises(SystemExit, match="runs are not done yet"):
+        bm.plan("samples", r)
+    best = "twice-turn-b0.7-w1-cap2-data-late1"
+    for s in bm.DEV_SEEDS:
+        for lab in bm.SAMPLES_SWEEP:  # GRPO 10k tokens per update; the twin-data arms 16k
+            fake(r, lab, s, [0.2, 0.5 if lab == best else 0.3, 0.6], 10000 if lab == "grpo" else 16000)
+    ch = bm.samples_chosen(r)
+    assert (ch["twice_data"], ch["grpo_matched"]) == (best, "grpo-g8") and ch["tokens_per_update_ratio"] == 1.6
+    plan = bm.plan("samples", r)
+    first = ["grpo", "grpo-g8", best, best.replace("-w1-", "-w0-")]
+    assert [lab for lab, _ in plan[:4 * 9]] == first * 9 and [s for _, s in plan[:4]] == [0] * 4
+    assert {lab for lab, _ in plan[4 * 9:]} == {"tree_grpo", "arpo", "twice-turn-b0.7-w1-cap2"} and len(plan) == 63
+    fake(r, "twice-turn-b0.25-w1-cap2-data", 0, [0.2, 0.9, 0.9])
+    assert bm.samples_chosen(r) == ch  # frozen
+    with pytest.raises(SystemExit, match="a world of its own"):
+        bm.run_set("samples", 1, "w", str(tmp_path / "s"))
+    for lab, s in plan:
+        if not bm.finished(bm.run_dir(lab, s, r)):
+            fake(r, lab, s, [0.2, 0.4, 0.5], 16000 if "data" in lab or lab == "grpo-g8" else 10000)
+    text = bm.build_report(r, "samples")
+    assert "Per update against GRPO-matched (grpo-g8" in text and text.count("\n## ") == 3
+    # the arm at 16k per update reached 0.6 after 2 updates; GRPO-matched's 0.5 after 2: +0.1 on seeds 0-2
+    assert f"| {best} | 3 | 2.0 | 1.00 | +0.100 +- 0.000 |" in text

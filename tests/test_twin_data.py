@@ -155,6 +155,11 @@ def test_the_trainer_trains_on_twin_rows_and_logs_them(tiny_world, tmp_path):
     tt.main(tiny_cfg(committed, out2, "--steps=1", "--twin_data=true"))
     r = [r for r in read_metrics(out2) if "twin_rows" in r][0]
     assert r["twin_rows"] > 0 and 0 < r["twin_grad_share"] < 1 and 0 < r["twin_term_max"] <= 2.0
+    out3 = str(tmp_path / "quiet")  # the diagnostic changes no trained number
+    tt.main(tiny_cfg(committed, out3, "--steps=1", "--twin_data=true", "--log_grad_share=false"))
+    quiet = read_metrics(out3)
+    assert "twin_grad_share" not in quiet[0] and all(
+        quiet[k].get(f) == read_metrics(out2)[k].get(f) for k in (0, 1) for f in ("loss", "weight_norm", "eval_em"))
     census = [r[k] for k in twice.CENSUS]  # every discordant twin in one cell; an agreeing group's are all one sign
     assert sum(census) == r["discordant"] > 0
     with pytest.raises(ValueError, match="twin_data=True .must be twice's turn unit, coupled"):
