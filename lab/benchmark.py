@@ -465,9 +465,10 @@ def section(title: str, runs: dict, png: str, matched: str = "") -> list:
     if matched in runs:
         out += [f"Per update against GRPO-matched ({matched}: about the tokens per update of the twin-data arms):",
                 "", at_updates(runs, matched), ""]
-    if any(lab.startswith("twice") for lab in runs):
+    table = census(runs)
+    if table.count("\n") > 1:  # runs whose step logs have the census (since 2026-12-05)
         out += ["The twin term and the discordant twins (step logs; census: shares of the discordant twins):", "",
-                census(runs), ""]
+                table, ""]
     return out
 
 
