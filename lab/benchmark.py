@@ -448,7 +448,7 @@ def census(runs: dict) -> str:
         share = [r["twin_grad_share"] for r in steps if "twin_grad_share" in r]
         out.append(f"| {lab} | {len(seeds)} | {np.mean([r.get('twin_rows', 0) for r in steps]):.1f} | "
                    f"{disc / len(steps):.1f} | {' | '.join(cells)} | "
-                   f"{np.mean(share) if share else float('nan'):.3f} | "
+                   f"{f'{np.mean(share):.3f}' if share else '-'} | "
                    f"{np.mean([r['twin_adv_share'] for r in steps]):.3f} | "
                    f"{max(r['twin_term_max'] for r in steps):.2f} |")
     return "\n".join(out)
