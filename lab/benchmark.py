@@ -409,19 +409,21 @@ def breakeven(runs: dict, base: str = "grpo") -> str:
 
 
 def at_updates(runs: dict, base: str) -> str:
-    """Markdown: per label, its final EM against the base's EM after as many updates (the base's
-    curve interpolated in updates, same seed): a per-update comparison, fair when the base spends
-    the label's tokens per update (GRPO-matched)."""
-    out = ["| run | seeds | updates | tokens per update / base's | final EM - base's at those updates (paired) |",
+    """Markdown: per label, its EM against the base's after the same number of updates, the most
+    both made (each curve interpolated in updates, same seed): a per-update comparison, fair when
+    the base spends the label's tokens per update (GRPO-matched)."""
+    out = ["| run | seeds | updates compared | tokens per update / base's | EM - base's at those updates (paired) |",
            "|---|---:|---:|---:|---:|"]
     base_runs = {cfg["seed"]: rows for cfg, rows in runs.get(base, [])}
     for lab, seeds in runs.items():
         diffs, ns, cs = [], [], []
         for cfg, rows in seeds:
-            if cfg["seed"] in base_runs:
-                b, mine = base_runs[cfg["seed"]], updates_curve(rows)
-                diffs.append(mine[-1][1] - np.interp(mine[-1][0], *zip(*updates_curve(b))))
-                ns.append(mine[-1][0])
+            b, mine = base_runs.get(cfg["seed"]), updates_curve(rows)
+            if b:  # at the updates both made: each curve interpolated in updates
+                theirs = updates_curve(b)
+                n = min(mine[-1][0], theirs[-1][0])
+                diffs.append(np.interp(n, *zip(*mine)) - np.interp(n, *zip(*theirs)))
+                ns.append(n)
                 cs.append(per_update([(cfg, rows)]) / per_update([(None, b)]))
         if diffs:
             se = np.std(diffs, ddof=1) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")

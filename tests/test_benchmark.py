@@ -181,3 +181,6 @@ def test_the_samples_set_freezes_its_arm_and_grpo_matched_on_the_dev_seeds(tmp_p
     assert "Per update against GRPO-matched (grpo-g8" in text and text.count("\n## ") == 3
     # the arm at 16k per update reached 0.6 after 2 updates; GRPO-matched's 0.5 after 2: +0.1 on seeds 0-2
     assert f"| {best} | 3 | 2.0 | 1.00 | +0.100 +- 0.000 |" in text
+    runs = {"base": [({"seed": 0}, [{"step": 0, "eval_em": 0.2, "tokens": 1}, {"step": 4, "eval_em": 0.6, "tokens": 8}])],
+            "long": [({"seed": 0}, [{"step": 0, "eval_em": 0.2, "tokens": 1}, {"step": 8, "eval_em": 0.4, "tokens": 8}])]}
+    assert "| long | 1 | 4.0 | 0.50 | -0.300 +- nan |" in bm.at_updates(runs, "base")  # 0.3 against 0.6 after 4
