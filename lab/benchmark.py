@@ -467,6 +467,13 @@ def section(title: str, runs: dict, png: str, matched: str = "") -> list:
     if matched in runs:
         out += [f"Per update against GRPO-matched ({matched}: about the tokens per update of the twin-data arms):",
                 "", at_updates(runs, matched), ""]
+        data = [lab for lab in runs if lab.endswith(("-data", "-late1", "-late2")) and "-w0-" not in lab]
+        for lab in data:  # what the pair credit adds to the same rows: the arm against itself at omega 0
+            alone = lab.replace("-w1-", "-w0-")
+            if alone in runs and lab != alone:
+                pair = {alone: runs[alone], lab: runs[lab]}
+                out += [f"The pair credit: {lab} against the same rows without it ({alone}), paired:", "",
+                        report.paired([], base=alone, runs=pair), "", at_updates(pair, alone), ""]
     table = census(runs)
     if table.count("\n") > 1:  # runs whose step logs have the census (since 2026-12-05)
         out += ["The twin term and the discordant twins (step logs; census: shares of the discordant twins):", "",

@@ -179,6 +179,7 @@ def test_the_samples_set_freezes_its_arm_and_grpo_matched_on_the_dev_seeds(tmp_p
             fake(r, lab, s, [0.2, 0.4, 0.5], 16000 if "data" in lab or lab == "grpo-g8" else 10000)
     text = bm.build_report(r, "samples")
     assert "Per update against GRPO-matched (grpo-g8" in text and text.count("\n## ") == 3
+    assert f"The pair credit: {best} against the same rows without it ({first[3]})" in text
     # the arm at 16k per update reached 0.6 after 2 updates; GRPO-matched's 0.5 after 2: +0.1 on seeds 0-2
     assert f"| {best} | 3 | 2.0 | 1.00 | +0.100 +- 0.000 |" in text
     runs = {"base": [({"seed": 0}, [{"step": 0, "eval_em": 0.2, "tokens": 1}, {"step": 4, "eval_em": 0.6, "tokens": 8}])],
