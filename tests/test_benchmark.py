@@ -152,6 +152,15 @@ def test_the_bounded_sets_tables_are_rebuilt_from_its_runs(tmp_path):
     assert bm.build_report(str(tmp_path / "b"), "bounded") == open(os.path.join(src, "tables.md")).read()
 
 
+def test_the_samples_sets_tables_are_rebuilt_from_its_runs(tmp_path):
+    """results/chains-samples/tables.md is `python -m lab.benchmark report samples` of its committed runs and choice."""
+    src = os.path.join(ROOT, "results", "chains-samples")
+    done = set(bm.plan("samples-sweep", src)) | set(bm.plan("samples", src))
+    assert len(os.listdir(os.path.join(src, "runs"))) == len(done) == 69
+    shutil.copytree(src, tmp_path / "s", ignore=shutil.ignore_patterns("*.png"))
+    assert bm.build_report(str(tmp_path / "s"), "samples") == open(os.path.join(src, "tables.md")).read()
+
+
 def test_the_samples_set_freezes_its_arm_and_grpo_matched_on_the_dev_seeds(tmp_path, monkeypatch):
     """samples-sweep on the dev seeds; samples waits for it, then chooses the twin-data arm by dev AUC and GRPO-matched
     by that arm's tokens per update (written once); its plan runs GRPO, GRPO-matched, the arm and the arm at omega 0
