@@ -319,14 +319,14 @@ class Decisions:
     cost: object            # (n,) c_t: tokens of y_t and of every factual token sampled after it
 
 
-def decision_table(episodes, group_success) -> Decisions:
+def decision_table(episodes, group_success, from_turn: int = 0) -> Decisions:
     """c_t counts what a twin from s_t is predicted to generate: y_t and the factual turns after
-    it."""
+    it. from_turn: only the decisions at turns >= it (late branching)."""
     index, cost = [], []
     cols = {k: [] for k in ("turn", "action", "entropy", "group_success", "outcome",
                             "turns_remaining")}
     for i, ep in enumerate(episodes):
-        for t, turn in enumerate(ep.turns):
+        for t, turn in enumerate(ep.turns[from_turn:], from_turn):
             index.append((i, t))
             cols["turn"].append(t)
             cols["action"].append(turn.action)

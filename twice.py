@@ -214,13 +214,8 @@ def decision_table(cfg, episodes) -> "rollout.Decisions":
     is a feature of the discordance predictor."""
     rewards = np.array([ep.reward for ep in episodes])
     group_success = rewards.reshape(-1, cfg.group_size).mean(1).repeat(cfg.group_size)
-    table = rollout.decision_table(episodes, group_success)
-    late = getattr(cfg, "twin_from_turn", 0)
-    if late:  # late branching: only decisions at turns >= twin_from_turn (a twin is a suffix)
-        keep = [n for n, (_, t) in enumerate(table.index) if t >= late]
-        table = rollout.Decisions([table.index[n] for n in keep], table.features[keep],
-                                  table.cost[keep])
-    return table
+    # late branching (twin_from_turn): only the later decisions get twins, a twin is a suffix
+    return rollout.decision_table(episodes, group_success, getattr(cfg, "twin_from_turn", 0))
 
 
 def branch(cfg, step: int, episodes, decisions, p, cost) -> tuple:

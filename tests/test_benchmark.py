@@ -191,6 +191,7 @@ def test_the_samples_set_freezes_its_arm_and_grpo_matched_on_the_dev_seeds(tmp_p
     assert f"The pair credit: {best} against the same rows without it ({first[3]})" in text
     # the arm at 16k per update reached 0.6 after 2 updates; GRPO-matched's 0.5 after 2: +0.1 on seeds 0-2
     assert f"| {best} | 3 | 2.0 | 1.00 | +0.100 +- 0.000 |" in text
-    runs = {"base": [({"seed": 0}, [{"step": 0, "eval_em": 0.2, "tokens": 1}, {"step": 4, "eval_em": 0.6, "tokens": 8}])],
-            "long": [({"seed": 0}, [{"step": 0, "eval_em": 0.2, "tokens": 1}, {"step": 8, "eval_em": 0.4, "tokens": 8}])]}
+    def curve(n, em):  # EM 0.2 before any update, em after n updates, 8 tokens in all
+        return [({"seed": 0}, [{"step": 0, "eval_em": 0.2, "tokens": 1}, {"step": n, "eval_em": em, "tokens": 8}])]
+    runs = {"base": curve(4, 0.6), "long": curve(8, 0.4)}
     assert "| long | 1 | 4.0 | 0.50 | -0.300 +- nan |" in bm.at_updates(runs, "base")  # 0.3 against 0.6 after 4
