@@ -45,7 +45,7 @@ import protocol
 import rollout
 import sampler
 import twice
-from generation import engine, logprobs
+from generation import engine, logprobs, vllm_engine
 from infra import adamw, checkpoint, config, console, cuda, lora, phases, watchdog, weights
 
 
@@ -80,6 +80,11 @@ class Config(methods.BaselineConfig):
     fused_sampler: bool = True      # torch.compile the keyed draw (on CUDA; the CPU stays eager)
     sync_every: int = 16            # decode steps between read-backs of sampled tokens to the host
     cuda_graphs: bool = False       # replay the decode step as CUDA graphs, one per shape (CUDA)
+    engine: str = "cached"          # "cached" (the project's), "generate", or "vllm" (in-process vLLM,
+    #                                 the same keyed draws: generation/vllm_engine.py)
+    vllm_kv_gib: float = 1.0        # engine=vllm: its KV pool per rank (GiB; perf/ledger.py sizes it)
+    vllm_max_seqs: int = 64         # engine=vllm: rows decoded at once
+    vllm_batch_invariant: bool = False  # engine=vllm: VLLM_BATCH_INVARIANT=1 (beta; slower kernels)
     # --- credit (DESIGN 5, 7) ---
     method: str = "twice"           # twice, or a baseline of the registry (grpo, vineppo, ...)
     omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (method=grpo)
@@ -158,12 +163,13 @@ class Config(methods.BaselineConfig):
                     "ppo_epochs": 1, "mini_batches": 1, "micro_batch_size": 1, "eval_every": 0,
                     "eval_tokens": 0, "eval_size": 0, "save_every": 0, "keep_checkpoints": 0,
                     "log_episodes": 0, "sync_every": 1, "rank_timeout_s": 0,
-                    "kv_budget_gib": 0, "twin_cap": 0, "twin_from_turn": 0}
+                    "kv_budget_gib": 0, "twin_cap": 0, "twin_from_turn": 0, "vllm_max_seqs": 1}
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1,
-                 "collective_timeout_h": 0}
+                 "collective_timeout_h": 0, "vllm_kv_gib": 0}
         unit = ("top_p", "q_min", "fork_floor")  # fractions and probabilities in (0, 1]
         choices = {"budget_rule": ("sqrt", "uniform"), "twin_unit": ("turn", "token"),
-                   "twin_scale": ("d", "rms"), "line_keys": ("group", "text")}
+                   "twin_scale": ("d", "rms"), "line_keys": ("group", "text"),
+                   "engine": ("cached", "generate", "vllm")}
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                 [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
                 [(k, 0 < getattr(self, k) <= 1, "in (0, 1]") for k in unit] +
@@ -205,6 +211,7 @@ class Run:
     episode_log: list = None        # this step's logged episodes (rank 0's)
     adapter: object = None          # peft.PeftModel around the policy when lora_rank > 0
     sampler: object = None          # during a step's rollout: the model episodes are sampled from
+    vllm: object = None             # engine=vllm: this rank's vllm_engine.VLLMEngine
 
 
 # --------------------------------------------------------------------------------------------------
@@ -293,7 +300,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
     with torch.no_grad():
         # Episodes are sampled from weights in the rollout dtype (bf16 at scale), outside any
         # autocast: no fp32 KV, no cached casts of the weights while caches grow (DESIGN.md 10).
-        run.sampler = weights.sampling_copy(policy, torch.bfloat16 if cfg.bf16 else None)
+        run.sampler = (run.vllm.ready(policy) if run.vllm else  # the current weights copied in
+                       weights.sampling_copy(policy, torch.bfloat16 if cfg.bf16 else None))
         episodes = []
         try:
             # 1. Factual episodes: G keyed lines per prompt (a baseline's own rollout).
@@ -313,6 +321,8 @@ def train_step(cfg: Config, run: Run, step: int) -> dict:
             # now (the engine keeps its slot cache per model; a sampling copy dies with it).
             engine.free_cache(run.sampler)
             run.sampler = None
+            if run.vllm:  # CUDA: its weights and KV pool leave the GPU for the update
+                run.vllm.sleep()
             rollout.release_caches(episodes)
         times.mark("twins")
         run.episode_log = checkpoint.episode_rows(step, episodes, stats.get("twins", []),
@@ -423,11 +433,15 @@ def setup(cfg: Config, watch: bool = False) -> Run:
     policy, opt = accel.prepare(policy, opt)
     rows = qa_eval.load_qa(cfg.train_data)
     qa_eval.refuse_long_prompts(rows, tok, cfg.max_context, cfg.max_new_tokens, cfg.train_data)
+    rollouts = vllm_engine.VLLMEngine(
+        cfg.model, accel.unwrap_model(policy), cfg.max_context, cfg.vllm_kv_gib, cfg.vllm_max_seqs,
+        cfg.vllm_batch_invariant, torch.bfloat16 if cfg.bf16 else None) \
+        if cfg.engine == "vllm" else None
     return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt,
                methods.make(cfg), credit.DiscordancePredictor(),
                credit.DiscordancePredictor(features=forks.TOKEN_FEATURES),
                credit.RunningScale(cfg.scale_decay, cfg.twin_scale), rows, n_micro,
-               weights.weight_norm(accel, policy), adapter=adapter)
+               weights.weight_norm(accel, policy), adapter=adapter, vllm=rollouts)
 
 
 def main(cfg: Config):

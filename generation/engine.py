@@ -158,7 +158,9 @@ def generate_turn(model, tokenizer, episodes, proto) -> list:
     """Sample the next turn of every episode (none may be done): the cached engine for a
     transformers model (below), else (proto.engine = "generate", or any object with only
     `generate`) left-padded generate calls in chunks of gen_batch_size, each re-prefilling its
-    whole context."""
+    whole context. A vLLM engine (generation/vllm_engine.py, engine = "vllm") draws its own."""
+    if hasattr(model, "generate_turn"):
+        return model.generate_turn(tokenizer, episodes, proto)
     rows = make_rows(episodes, tokenizer, proto)
     if _cached_engine(model, proto):
         return _generate_cached(model, tokenizer, episodes, rows, proto)
@@ -238,7 +240,7 @@ def _forward(model, ids, mask, pos, cache):
     hook = (norm.register_forward_hook(lambda mod, args, out: seen.append(out))
             if norm is not None else None)
     try:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
     finally:
         if hook is not None:

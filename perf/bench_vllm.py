@@ -1,0 +1,185 @@
+"""The vLLM engine's checks and figures (generation/vllm_engine.py; DESIGN.md section 11, "The vLLM
+engine"): every kind of keyed draw through vLLM against the cached engine on the same weights, and
+decode tokens per second of both.
+
+  python -m perf.bench_vllm --world worlds/tiny-0 --json F     the CPU checks and the speed ratio
+  python -m perf.bench_vllm --gpu --json F                      the first-GPU check's figures
+
+It runs in a process of its own (tests/test_vllm.py starts it): vLLM sets the process's torch
+threads and CPU binding. The tiny worlds' policies have head_dim 16, which vLLM's CPU attention
+refuses, so the check widens the heads (`widened`: the same weights, fewer and wider heads, head_dim
+32): a different network, but a trained-looking one, for exactness only.
+
+Checks (each a count of rows whose tokens match, or a largest log-prob difference):
+  factual   episodes (all turns, searches and observations) sampled by both engines
+  order     one row alone, in a batch, and in the batch reversed (vLLM only)
+  twins     coupled twins at every turn (rollout.run_twins: alt key, then the factual keys)
+  forks     token forks mid-turn (given prefix, own key, the factual token banned)
+  replays   continuations from mid-turn token k on the factual keys: the factual turn again
+  lines     text-line keys (line_keys = "text")
+  sync      after a change of every weight (the tied embedding too): ready(policy) against the
+            cached engine on the new weights and against a fresh vLLM engine built from them
+"""
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def widened(world: str, out: str, head_dim: int = 32) -> str:
+    """A copy of world's policy folder with heads of head_dim (same weights): vLLM's CPU attention
+    needs head_dim >= 32."""
+    from transformers import AutoModelForCausalLM
+    src = os.path.join(world, "policy")
+    model = AutoModelForCausalLM.from_pretrained(src)
+    cfg = model.config
+    heads = cfg.hidden_size // head_dim
+    assert heads >= 1 and cfg.hidden_size % head_dim == 0, f"{src}: hidden {cfg.hidden_size}"
+    kv = max(1, heads * cfg.num_key_value_heads // cfg.num_attention_heads)
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = heads, kv, head_dim
+    wide = type(model)(cfg)
+    wide.load_state_dict(model.state_dict())
+    wide.save_pretrained(out)
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "chat_template", "special_tokens", "generation_config")):
+            shutil.copy(os.path.join(src, name), os.path.join(out, name))
+    return out
+
+
+def _ids(eps):
+    return [ep.ids for ep in eps]
+
+
+def _same(a, b) -> int:
+    return sum(x == y for x, y in zip(a, b))
+
+
+def _lp_gap(a, b) -> float:
+    return max((abs(p - q) for x, y in zip(a, b) if x.ids == y.ids
+                for tx, ty in zip(x.turns, y.turns) for p, q in zip(tx.logprobs, ty.logprobs)),
+               default=0.0)
+
+
+def checks(world: str, questions: int = 16, group: int = 4, max_new: int = 40) -> dict:
+    import torch
+    import retriever
+    import rollout
+    from eval import load_policy, load_qa
+    from generation.vllm_engine import VLLMEngine
+    from protocol import Protocol
+    work = tempfile.mkdtemp(prefix="bench-vllm-")
+    path = widened(world, os.path.join(work, "policy"))
+    model, tok = load_policy(path)
+    retr = retriever.Retriever(os.path.join(world, "index"))
+    rows = load_qa(os.path.join(world, "train.jsonl"))[:questions]
+    proto = Protocol(max_turns=2, max_new_tokens=max_new, max_context=1024, gen_batch_size=64)
+    t0 = time.perf_counter()
+    engine = VLLMEngine(path, model, proto.max_context, kv_gib=0.25, max_num_seqs=64)
+    out = {"start_s": time.perf_counter() - t0, "head_dim": 32}
+
+    def episodes(m, qs=rows, proto=proto, g=group):
+        return rollout.run_episodes(m, tok, retr, rollout.start_episodes(tok, qs, 3, 1, g), proto)
+
+    with torch.no_grad():
+        ref, got = episodes(model), episodes(engine)
+        out["factual"] = dict(rows=len(ref), same=_same(_ids(ref), _ids(got)),
+                              lp_gap=_lp_gap(ref, got), tokens=sum(e.n_generated for e in ref),
+                              stops=sorted({t.stop for e in ref for t in e.turns}))
+        alone = episodes(engine, rows[:1], g=1)[0]
+        many = episodes(engine, rows, g=1)
+        back = episodes(engine, rows[::-1], g=1)[::-1]
+        out["order"] = dict(rows=len(many), alone=alone.ids == many[0].ids,
+                            reversed=_same(_ids(many), _ids(back)))
+        for name, fork in (("twins", False), ("forks", True)):
+            results = []
+            for m, eps in ((model, ref), (engine, got)):
+                reqs = [(ep, t, 0) for ep in eps for t in range(len(ep.turns))
+                        if ep.turns[t].end - ep.turns[t].start >= 2]
+                # a fork at the middle token of the turn (its own key, the factual token banned)
+                ks = [(ep.turns[t].end - ep.turns[t].start) // 2 for ep, t, _ in reqs]
+                res = rollout.run_twins(m, tok, retr, reqs, proto, forks=ks if fork else None,
+                                        same_evidence_shortcut=False)
+                results.append([r.twin.ids for r in res if r.kind == "rollout"])
+            out[name] = dict(rows=len(results[0]), same=_same(*results),
+                             same_count=len(results[0]) == len(results[1]))
+        requests = [(ep, 0, max(0, (ep.turns[0].end - ep.turns[0].start) // 2 - 1), ep.key)
+                    for ep in got]
+        replay = rollout.continue_after_token(engine, tok, retr, requests, proto)
+        out["replays"] = dict(rows=len(replay), same=_same(_ids(replay), _ids(got)))
+        lines = Protocol(**{**proto.__dict__, "line_keys": "text"})
+        out["lines"] = dict(rows=len(ref), same=_same(_ids(episodes(model, proto=lines)),
+                                                      _ids(episodes(engine, proto=lines))),
+                            differ_from_group=len(ref) - _same(_ids(episodes(model, proto=lines)),
+                                                               _ids(ref)))
+        out["speed"] = speed(model, engine, tok, rows, proto)
+        # every weight moves (the tied embedding, so the LM head, too)
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=gen))
+        t0 = time.perf_counter()
+        engine.ready(model)
+        out["sync_s"] = time.perf_counter() - t0
+        new_ref, synced = episodes(model), episodes(engine)
+        del engine
+        gc.collect()
+        fresh_path = os.path.join(work, "moved")
+        model.save_pretrained(fresh_path)
+        for name in os.listdir(path):
+            if not os.path.exists(os.path.join(fresh_path, name)):
+                shutil.copy(os.path.join(path, name), fresh_path)
+        fresh = episodes(VLLMEngine(fresh_path, model, proto.max_context, kv_gib=0.25))
+        out["sync"] = dict(rows=len(new_ref), changed=len(ref) - _same(_ids(ref), _ids(new_ref)),
+                           same_as_cached=_same(_ids(new_ref), _ids(synced)),
+                           same_as_fresh=_same(_ids(fresh), _ids(synced)))
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def speed(model, engine, tok, rows, proto, group: int = 8, reps: int = 2) -> dict:
+    """Generated tokens per second of a rollout of len(rows) x group episodes, cached engine and
+    vLLM, alternating, the best of reps each (retrieval included in both)."""
+    import rollout
+    import retriever  # noqa: F401
+    best = {"cached": 0.0, "vllm": 0.0}
+    retr = _NoSearch()
+    for _ in range(reps):
+        for name, m in (("cached", model), ("vllm", engine)):
+            eps = rollout.start_episodes(tok, rows, 7, 0, group)
+            t0 = time.perf_counter()
+            rollout.run_episodes(m, tok, retr, eps, proto)
+            best[name] = max(best[name], sum(e.n_generated for e in eps)
+                             / (time.perf_counter() - t0))
+    return {**best, "ratio": best["vllm"] / best["cached"], "episodes": len(rows) * group}
+
+
+class _NoSearch:
+    """A retriever that returns the same empty-ish document at once: the timing is the engine's."""
+
+    def search(self, queries, topk=3):
+        return [[{"id": "0", "contents": "\"Nothing\"\nnothing here.", "score": 0.0}] * topk
+                for _ in queries]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", default=os.path.join(ROOT, "worlds", "tiny-0"))
+    ap.add_argument("--questions", type=int, default=16)
+    ap.add_argument("--json", default="", help="write the figures here too")
+    args = ap.parse_args(argv)
+    out = checks(args.world, args.questions)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
