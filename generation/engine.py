@@ -155,10 +155,10 @@ def _generate_chunk(model, tokenizer, rows, proto) -> list:
 
 
 def generate_turn(model, tokenizer, episodes, proto) -> list:
-    """Sample the next turn of every episode (none may be done): the cached engine for a
-    transformers model (below), else (proto.engine = "generate", or any object with only
-    `generate`) left-padded generate calls in chunks of gen_batch_size, each re-prefilling its
-    whole context. A vLLM engine (generation/vllm_engine.py, engine = "vllm") draws its own."""
+    """Sample the next turn of every episode (none may be done): a vLLM engine's own draws
+    (generation/vllm_engine.py), the cached engine for a transformers model (below), else
+    (engine = "generate", or an object with only `generate`) left-padded generate calls in chunks
+    of gen_batch_size, each re-prefilling its whole context."""
     if hasattr(model, "generate_turn"):
         return model.generate_turn(tokenizer, episodes, proto)
     rows = make_rows(episodes, tokenizer, proto)
@@ -203,7 +203,7 @@ class KVEntry:
 
 def _cached_engine(model, proto) -> bool:
     from transformers import PreTrainedModel
-    return proto.engine == "cached" and isinstance(model, PreTrainedModel) and _slots_fit(model)
+    return proto.engine != "generate" and isinstance(model, PreTrainedModel) and _slots_fit(model)
 
 
 def _slots_fit(model) -> bool:

@@ -3,7 +3,7 @@ engine"): every kind of keyed draw through vLLM against the cached engine on the
 decode tokens per second of both.
 
   python -m perf.bench_vllm --world worlds/tiny-0 --json F     the CPU checks and the speed ratio
-  python -m perf.bench_vllm --gpu --json F                      the first-GPU check's figures
+  python -m perf.bench_vllm --gpu --json F                      the first-GPU check's figures (vllm_figure)
 
 It runs in a process of its own (tests/test_vllm.py starts it): vLLM sets the process's torch
 threads and CPU binding. The tiny worlds' policies have head_dim 16, which vLLM's CPU attention
@@ -159,6 +159,79 @@ def speed(model, engine, tok, rows, proto, group: int = 8, reps: int = 2) -> dic
     return {**best, "ratio": best["vllm"] / best["cached"], "episodes": len(rows) * group}
 
 
+def vllm_figure(shape: str = "3b", rows: int = 320, slots: int = 64, length: int = 80,
+                max_context: int = 4096, top_p: float = 0.95, kv_gib: float = 18,
+                device: str = "cuda") -> dict:
+    """engine=vllm's GPU figures, for the first-GPU check: a random Qwen2.5-`shape`-shaped model in
+    bf16 (near-uniform logits: turns run to `length` tokens; bench_engine's EOS-biased head has a
+    bias vLLM's Qwen2 does not load), one decoded turn of `rows` episodes (one rank's share of the
+    3B preset) through vLLM (max_num_seqs = slots, a KV pool of kv_gib) and through the cached
+    engine (gen_batch_size = slots), each after a warm-up turn: tok_s of both,
+    the share of rows whose tokens agree (bf16 kernels differ: near-ties may flip), start-up and
+    weight-sync seconds, and the device memory in use (mem_get_info) per phase: before vLLM,
+    awake, after the turn, asleep (sleep mode), awake again. device="cpu" with shape="tiny" runs
+    the same code (tested)."""
+    import torch
+    from transformers import Qwen2Config
+    from generation import engine as cached
+    from generation.vllm_engine import VLLMEngine
+    from transformers import Qwen2ForCausalLM
+    from perf.bench_engine import SHAPES, qwen_tokenizer
+    from protocol import Protocol
+    from rollout import start_episodes
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    used = (lambda: (lambda f, t: (t - f) / 2 ** 30)(*torch.cuda.mem_get_info())) if cuda else \
+        (lambda: 0.0)
+    tok = qwen_tokenizer()
+    config = Qwen2Config(vocab_size=151_936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                         rope_theta=1e6, initializer_range=0.002, **SHAPES[shape])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval().to(
+        device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    work = tempfile.mkdtemp(prefix="vllm-figure-")
+    model.save_pretrained(work)
+    out = {"shape": shape, "rows": rows, "slots": slots, "kv_gib": kv_gib,
+           "memory_gib": {"before": used()}}
+    t0 = time.perf_counter()
+    eng = VLLMEngine(work, model, max_context, kv_gib, slots)
+    out["start_s"], out["memory_gib"]["awake"] = time.perf_counter() - t0, used()
+    proto = Protocol(max_new_tokens=length, max_context=max_context, gen_batch_size=slots,
+                     top_p=top_p)
+    questions = [{"id": f"g{i}", "question": f"question {i}", "golden_answers": ["x"]}
+                 for i in range(rows)]
+    ids = {}
+    with torch.no_grad():
+        for name, m in (("vllm", eng), ("cached", model)):
+            for step in (1, 0):  # a warm-up turn, then the timed one
+                sync()
+                t0 = time.perf_counter()
+                gens = cached.generate_turn(m, tok, start_episodes(tok, questions, 0, step), proto)
+                sync()
+                took = time.perf_counter() - t0
+            n = sum(len(g.ids) for g in gens)
+            out[name] = {"tok_s": n / took, "tokens": n, "s": took}
+            ids[name] = [g.ids for g in gens]
+            if name == "vllm":
+                out["memory_gib"]["after_turn"] = used()
+        cached.free_cache(model)
+        out["same_rows"] = sum(a == b for a, b in zip(ids["vllm"], ids["cached"])) / rows
+        out["ratio"] = out["vllm"]["tok_s"] / out["cached"]["tok_s"]
+        t0 = time.perf_counter()
+        eng.ready(model)
+        sync()
+        out["sync_s"] = time.perf_counter() - t0
+    eng.sleep()
+    out["memory_gib"]["asleep"] = used()
+    eng.wake()
+    out["memory_gib"]["awake_again"] = used()
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"vllm {shape}: {out['vllm']['tok_s']:.0f} tok/s, cached {out['cached']['tok_s']:.0f} "
+          f"(x{out['ratio']:.2f}), same rows {out['same_rows']:.3f}, sync {out['sync_s']:.2f}s, "
+          f"memory {out['memory_gib']}", flush=True)
+    return out
+
+
 class _NoSearch:
     """A retriever that returns the same empty-ish document at once: the timing is the engine's."""
 
@@ -172,8 +245,15 @@ def main(argv=None):
     ap.add_argument("--world", default=os.path.join(ROOT, "worlds", "tiny-0"))
     ap.add_argument("--questions", type=int, default=16)
     ap.add_argument("--json", default="", help="write the figures here too")
+    ap.add_argument("--gpu", action="store_true", help="vllm_figure at the 3B preset's shape")
+    ap.add_argument("--tiny", action="store_true", help="vllm_figure at a tiny shape on the CPU")
     args = ap.parse_args(argv)
-    out = checks(args.world, args.questions)
+    if args.gpu or args.tiny:
+        out = vllm_figure() if args.gpu else vllm_figure("tiny", rows=12, slots=4, length=24,
+                                                         max_context=512, kv_gib=0.25,
+                                                         device="cpu")
+    else:
+        out = checks(args.world, args.questions)
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

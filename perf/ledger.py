@@ -280,6 +280,35 @@ SERVER_GIB = {"temp": 0.5 + 1.0, "context": 0.5, "encoder": 0.5}
 CONTEXT_GIB = {"cuda_context": 0.5, "cublas": 0.25, "nccl": 1.0, "nvls": 2.25}
 # allocator: reserved but not allocated, with expandable segments: estimate
 SLACK = 0.05
+# engine=vllm (generation/vllm_engine.py), colocated on each rank: its copy of the weights and its KV
+# pool (vllm_kv_gib) while it samples, both released by sleep mode during the update; its workspace
+# (vllm_workspace: the largest profile forward over VLLM_BATCHED_TOKENS tokens, the keyed draw's
+# buffers per row, and VLLM_GIB's budgets), estimates the first-GPU check measures
+# (perf/gpucheck.py --vllm): CUDA graphs' pool and vLLM's own context, and what stays on the GPU
+# asleep (its graphs' memory is not tagged for sleep mode)
+VLLM_CATEGORIES = ("vllm_weights", "vllm_pool", "vllm_workspace")
+VLLM_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens default for offline LLM() use
+VLLM_GIB = {"graphs": 1.0, "asleep": 1.0}
+
+
+def vllm_parts(cfg, dims, dtype) -> dict:
+    """{phase: {category: bytes}} of the colocated vLLM engine: awake in rollout and twins, asleep
+    after; and `vllm_kv_need`, a pool that holds every row at max_context (never preempts)."""
+    h, inter, vocab = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
+    forward = VLLM_BATCHED_TOKENS * (4 * h + 3 * inter) * memprobe._size(dtype)
+    draws = cfg.vllm_max_seqs * vocab * 28  # logits, copy, uniforms' int64 pair, race: 28 B
+    awake = {"vllm_weights": n_params(dims) * memprobe._size(dtype),
+             "vllm_pool": cfg.vllm_kv_gib * GIB,
+             "vllm_workspace": forward + draws + VLLM_GIB["graphs"] * GIB}
+    asleep = {"vllm_weights": 0, "vllm_pool": 0, "vllm_workspace": VLLM_GIB["asleep"] * GIB}
+    return {p: awake if p in ("rollout", "twins") else asleep for p in PHASES}
+
+
+def vllm_kv_need(cfg, dims, dtype) -> float:
+    """Bytes of a KV pool holding vllm_max_seqs rows at max_context (never preempts)."""
+    per_token = (2 * dims["num_hidden_layers"] * dims["num_key_value_heads"]
+                 * dims["hidden_size"] // dims["num_attention_heads"] * memprobe._size(dtype))
+    return cfg.vllm_max_seqs * cfg.max_context * per_token
 
 
 def zero2_static(params: int, largest: int, world: int, adam: dict, ds: dict) -> dict:
@@ -359,18 +388,22 @@ ROUND_NEW, ROUND_WIDTH = 32, 128
 def rollout_activations(dims, dtype, cfg):
     """virtual(kind, rows, new, width) -> bytes for memprobe.phases: the full-size activations of one prefill forward
     (a fake pass per shape, new tokens and width rounded up: ~20 shapes a step), one decode step
-    (forward, keyed draw, stop decision) as a + b rows + c rows x width fitted exactly to fake steps
-    of gen_batch_size / 4 and gen_batch_size rows over 256 and max_context / 2 cached positions
-    (logits and the draw's buffers per row; masks and attention scores per row and position; the
-    tests check the fit on other shapes), or one read off stored hidden states ("head": a + b rows,
+    (forward, keyed draw, stop decision) as the larger of two a + b rows + c rows x width, each fitted
+    exactly to fake steps of gen_batch_size / 4 and gen_batch_size rows over short (256, 512) and
+    long (max_context / 2, max_context) caches (logits and the draw's buffers per row; masks,
+    attention's repeated keys and values per row and position; the tests check the fit on other
+    shapes), or one read off stored hidden states ("head": a + b rows,
     from two fake passes)."""
     lo, hi, w1, w2 = max(1, cfg.gen_batch_size // 4), cfg.gen_batch_size, 256, max(
         512, cfg.max_context // 2)
-    points = ((lo, w1), (lo, w2), (hi, w1))
     # a first pass also allocates what the model builds once
     decode_activations(dims, dtype, cfg, lo, w1)
-    dec = np.linalg.solve([[1, p, p * w] for p, w in points],
-                          [decode_activations(dims, dtype, cfg, p, w) for p, w in points])
+    fit = lambda points: np.linalg.solve(  # noqa: E731
+        [[1, p, p * w] for p, w in points],
+        [decode_activations(dims, dtype, cfg, p, w) for p, w in points])
+    # two regimes, the larger one peaks: the draw's buffers per row (short caches) and attention's
+    # per row and position (long caches; sdpa with a mask repeats GQA's keys and values per head)
+    dec = (fit(((lo, w1), (lo, 2 * w1), (hi, w1))), fit(((lo, w2), (lo, 2 * w2), (hi, w2))))
     head = np.linalg.solve([[1, lo], [1, hi]],
                            [head_activations(dims, dtype, cfg, n) for n in (lo, hi)])
 
@@ -380,7 +413,7 @@ def rollout_activations(dims, dtype, cfg):
 
     def virtual(kind, rows, new, width):
         if kind == "decode":
-            return max(0.0, float(dec @ [1, rows, rows * width]))
+            return max(0.0, *(float(d @ [1, rows, rows * width]) for d in dec))
         # the engine reads at most 2^26 logits at once (rows tracked at once: twin_chunk at most)
         if kind == "head":
             rows = min(rows, max((1 << 26) // dims["vocab_size"], cfg.twin_chunk or rows))
@@ -473,6 +506,8 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
     else:
         static = plain_static(params, adamw_step(cfg, numels), act["gradients"],
                               2 * params if cfg.bf16 else 0)
+    vllm = vllm_parts(cfg, dims, half) if cfg.engine == "vllm" else None
+    cats_all = CATEGORIES + (VLLM_CATEGORIES if vllm else ())
     phases = {}
     for phase in PHASES:
         got = probe["peaks"].get(phase, {"bytes": {}})["bytes"]
@@ -484,12 +519,16 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
         cats["kv_entries"], cats["decode_batch"] = part("kv_entries"), part("decode_batch")
         # the probe's: held full-size ones
         cats["activations"] = part("other") + part("activations") + act[phase]
+        if vllm:  # vLLM samples: none of the cached engine's caches, batches or forwards
+            if phase in ("rollout", "twins"):
+                cats["kv_entries"] = cats["decode_batch"] = cats["activations"] = 0
+            cats.update(vllm[phase])
         allocated = sum(cats.values())
         cats["retriever"] = retriever_bytes(world) if retriever else 0
         cats["context"] = sum(CONTEXT_GIB.values()) * GIB
         cats["slack"] = SLACK * allocated
         phases[phase] = {"total_gib": sum(cats.values()) / GIB, "allocated_gib": allocated / GIB,
-                         "gib": {c: cats[c] / GIB for c in CATEGORIES}}
+                         "gib": {c: cats[c] / GIB for c in cats_all}}
     peak = max(phases, key=lambda p: phases[p]["total_gib"])
     m = probe["metrics"]
     return {
@@ -500,7 +539,8 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
             k: m.get(k)
             for k in ("factual_tokens", "twin_tokens", "twins", "twin_rollouts", "turns")
         }, "episodes": cfg.prompts_per_step * cfg.group_size,
-        "slot_cache_gib": slot_cache_bytes(cfg, dims, half) / GIB, "shapes": {
+        "slot_cache_gib": slot_cache_bytes(cfg, dims, half) / GIB,
+        **({"vllm_kv_need_gib": vllm_kv_need(cfg, dims, half) / GIB} if vllm else {}), "shapes": {
             f"{ph}:{kind}": max(v, key=lambda s: s[0] * s[-1])
             for (ph, kind), v in probe["shapes"].items()
         }
@@ -542,7 +582,7 @@ def table(ledgers: dict) -> str:
         for n in names:
             ph = ledgers[n]["phases"][phase]
             top = sorted(ph["gib"].items(), key=lambda kv:
-                         (-round(kv[1], 6), CATEGORIES.index(kv[0])))[:3]
+                         (-round(kv[1], 6), (CATEGORIES + VLLM_CATEGORIES).index(kv[0])))[:3]
             parts = ", ".join(f"{c.replace('_', ' ')} {v:.1f}" for c, v in top)
             cells.append(f"{ph['total_gib']:.1f} ({parts})")
         lines.append(f"| {phase.replace('_', ' ')} | " + " | ".join(cells) + " |")
@@ -572,11 +612,12 @@ def show(name: str, led: dict) -> str:
     out = [f"{name}: {led.get('model', '')} {led['strategy']} x {led['world']} ranks, "
            f"{led['episodes']} episodes a rank, "
            f"{led['params'] / 1e9:.2f}B parameters; probe step: {led['step']}"]
-    out.append("  phase           total  " + " ".join(f"{c[:12]:>12s}" for c in CATEGORIES))
+    cats = [c for c in CATEGORIES + VLLM_CATEGORIES if c in led["phases"]["rollout"]["gib"]]
+    out.append("  phase           total  " + " ".join(f"{c[:12]:>12s}" for c in cats))
     for phase in PHASES:
         ph = led["phases"][phase]
         out.append(f"  {phase:14s} {ph['total_gib']:6.1f}  " + " ".join(f"{ph['gib'][c]:12.2f}"
-                                                                        for c in CATEGORIES))
+                                                                        for c in cats))
     out.append(
         f"  peak {led['peak_gib']:.1f} GiB ({led['peak_phase']}) of {led['gpu_gib']}: headroom "
         f"{100 * led['headroom']:.1f}% ({'fits' if led['headroom'] >= 0.10 else 'DOES NOT FIT'} with 10%)"

@@ -24,12 +24,13 @@ ORDER = [
     "generation.stops", "generation.rows", "generation.kvcache", "generation.engine", "generation.kvbudget",
     "generation.logprobs",
     "credit", "retrieval.index", "retrieval.dense", "retrieval.bm25", "retriever",
-    "rollout", "forks", "twice", "eval", "infra.lora", "infra.checkpoint", "infra.console",
+    "rollout", "forks", "twice", "eval", "infra.lora", "generation.vllm_engine", "infra.checkpoint", "infra.console",
     "methods.baselines", "methods.learned", "methods", "train_twice",
     "retrieval.limits", "retrieval.server",
     "worlds.lock", "worlds.base", "worlds.tiny", "worlds.chains", "worlds.build", "worlds.data",
     "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark",
-    "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_server", "perf.bench",
+    "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_vllm", "perf.bench_server",
+    "perf.bench",
     "perf.gpucheck", "perf.nodecheck", "perf.smoke", "perf.probe", "perf.cpucheck",
 ]
 LONG_LINE, LONG_LINE_SHARE = 100, 0.10  # characters; share of code lines allowed past it

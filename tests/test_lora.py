@@ -135,7 +135,7 @@ def test_gradient_checkpointing_gives_the_same_lora_update(tiny_world, tmp_path)
         rows = body([tt.train_step(cfg, run, step) for step in (0, 1)])
         policy = run.accel.unwrap_model(run.policy)
         got.append((rows, {k: v.clone() for k, v in policy.state_dict().items() if ".lora_" in k}))
-    assert policy.is_activation_checkpointing and got[0][0] == got[1][0] and got[0][0][1]["kl"] > 0
+    assert policy.is_gradient_checkpointing and got[0][0] == got[1][0] and got[0][0][1]["kl"] > 0
     assert got[0][1].keys() == got[1][1].keys() and all(torch.equal(v, got[1][1][k]) for k, v in got[0][1].items())
 
 

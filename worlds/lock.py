@@ -3,9 +3,10 @@ file of each committed world (preset x seed x scale), built on pinned numerics (
 so that a build on any machine can be checked against the one the repository's figures were measured
 on.
 
-A digest is of the file's bytes, except for two files that also hold what is not the world:
-index/meta.json's absolute paths (of the corpus and of the encoder's installed folder) and
-world.json's build timings. Those fields are left out, and the rest of the JSON is digested in a
+A digest is of the file's bytes, except for files that also hold what is not the world:
+index/meta.json's absolute paths (of the corpus and of the encoder's installed folder), world.json's
+build timings and the policy's config files' `transformers_version` (the library that wrote them,
+not the world: the same world is written by any version). Those fields are left out, and the rest of the JSON is digested in a
 canonical form (sorted keys, no spaces).
 
 Lock lines: `<preset> <seed> <scale> <file> <sha256>`; `#` starts a comment. This module knows files
@@ -17,7 +18,9 @@ import os
 
 LOCK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worlds.lock")
 NON_CONTENT = {
-    "index/meta.json": (("corpus", ), ("encoder_resolved", )), "world.json": (("stats", "times"), )
+    "index/meta.json": (("corpus", ), ("encoder_resolved", )), "world.json": (("stats", "times"), ),
+    "policy/config.json": (("transformers_version", ), ),
+    "policy/generation_config.json": (("transformers_version", ), ),
 }
 HEADER = """\
 # Content digests of the built-in worlds (DESIGN.md section 9), one line per file: preset seed scale file sha256.
