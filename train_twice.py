@@ -488,6 +488,8 @@ def train(cfg: Config):
     if accel.is_main_process:
         checkpoint.end_log(cfg, final, trackers)
         console.finish(cfg, final, path)  # the final line, learning_curve.png, the summary table
+    if run.vllm:
+        run.vllm.close()
     accel.end_training()
     return final
 

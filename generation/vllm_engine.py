@@ -260,6 +260,11 @@ class VLLMEngine:
             self.llm.wake_up()
             self.asleep = False
 
+    def close(self):
+        """Shut the engine down while the run's process group still exists (its own groups are
+        destroyed with it; at interpreter exit they would outlive accelerate's)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 @contextlib.contextmanager
 def _hidden(prefix):
