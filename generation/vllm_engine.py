@@ -114,7 +114,7 @@ def processor_class():
     vLLM is imported only by runs that ask for it)."""
     if _PROCESSOR:
         return _PROCESSOR[0]
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor  # noqa: F401
+    from vllm.v1.sample.logits_processor import LogitsProcessor
     from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
     class KeyedProcessor(LogitsProcessor):

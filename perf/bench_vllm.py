@@ -146,7 +146,6 @@ def speed(model, engine, tok, rows, proto, group: int = 8, reps: int = 2) -> dic
     """Generated tokens per second of a rollout of len(rows) x group episodes, cached engine and
     vLLM, alternating, the best of reps each (retrieval included in both)."""
     import rollout
-    import retriever  # noqa: F401
     best = {"cached": 0.0, "vllm": 0.0}
     retr = _NoSearch()
     for _ in range(reps):

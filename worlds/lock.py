@@ -6,8 +6,8 @@ on.
 A digest is of the file's bytes, except for files that also hold what is not the world:
 index/meta.json's absolute paths (of the corpus and of the encoder's installed folder), world.json's
 build timings and the policy's config files' `transformers_version` (the library that wrote them,
-not the world: the same world is written by any version). Those fields are left out, and the rest of the JSON is digested in a
-canonical form (sorted keys, no spaces).
+not the world: the same world is written by any version). Those fields are left out, and the rest
+of the JSON is digested in a canonical form (sorted keys, no spaces).
 
 Lock lines: `<preset> <seed> <scale> <file> <sha256>`; `#` starts a comment. This module knows files
 and digests; what a world is and how it is built is worlds/build.py's.
