@@ -6,6 +6,7 @@ cache are freed when the twins are done, sampled in the rollout dtype, never hel
 prefill's stacked rows); the twins' chunks change no twin; LoRA's layout is lora.memory_bytes."""
 import gc
 import json
+import math
 import os
 import weakref
 
@@ -290,3 +291,23 @@ def test_lora_layout_is_lora_memory_bytes():
     assert got["optimizer_step"]["optimizer"] > 8 * adapter  # AdamW's step temporaries on top of its moments
     with pytest.raises(ValueError, match="DDP"):
         ledger.build(cfg, ledger.QWEN["3b"], "zero2")
+
+
+def test_vllm_colocated_fits_both_presets():
+    """results/memory_vllm.json (`python -m perf.ledger --set engine=vllm --json ...`): at each preset the vLLM engine
+    (its weights, the preset's KV pool, its workspace) replaces the cached engine's caches and batches while it samples,
+    is asleep after (sleep mode), and the peak leaves >= 10% of 80 GiB; the pool holds every row at max_context."""
+    saved = json.load(open(os.path.join(ROOT, "results", "memory_vllm.json")))
+    for size, path in ledger.PRESETS.items():
+        led, cfg = saved[size], memprobe.step_config(os.path.join(ROOT, path), ["--engine=vllm"])
+        assert led["headroom"] >= 0.10 and led["config"] == ledger.config_of(cfg)
+        parts = ledger.vllm_parts(cfg, ledger.QWEN[size], torch.bfloat16)
+        for phase in ledger.PHASES:
+            gib = led["phases"][phase]["gib"]
+            for cat in ledger.VLLM_CATEGORIES:
+                assert math.isclose(gib[cat], parts[phase][cat] / ledger.GIB, rel_tol=1e-9)
+            if phase in ("rollout", "twins"):
+                assert gib["kv_entries"] == gib["decode_batch"] == 0 and gib["vllm_pool"] == cfg.vllm_kv_gib
+            else:
+                assert gib["vllm_weights"] == gib["vllm_pool"] == 0
+        assert led["vllm_kv_need_gib"] <= cfg.vllm_kv_gib
