@@ -25,7 +25,6 @@ NOT_HERE = {  # a README command (regular expression) -> why this suite does not
     r"^make compare-methods": "13 methods' training runs",
     r"^python -m worlds.data convert ": "needs a Search-R1 parquet: tests/test_data.py converts one it writes",
     r"^python -m perf.ledger configs/": "minutes per preset; tests/test_ledger.py runs the ledger small",
-    r"^python -m perf.bench_vllm": "vLLM against the cached engine: tests/test_vllm.py runs it",
     r"^python -m worlds.build --out data/(tinyworld|chains)": "a full build; tests/test_world*.py build both "
                                                               "presets at test scale through the same CLI",
     r"^make (reproduce-3b|reproduce-7b|retriever-up|train-2nodes)( |$)(?!DRY_RUN)": "GPUs, downloads, a "
