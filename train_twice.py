@@ -84,7 +84,7 @@ class Config(methods.BaselineConfig):
     #                                 the same keyed draws: generation/vllm_engine.py)
     vllm_kv_gib: float = 1.0        # engine=vllm: its KV pool per rank (GiB; perf/ledger.py sizes it)
     vllm_max_seqs: int = 64         # engine=vllm: rows decoded at once
-    vllm_batch_invariant: bool = False  # engine=vllm: VLLM_BATCH_INVARIANT=1 (beta; slower kernels)
+    vllm_batch_invariant: bool = False  # engine=vllm: VLLM_BATCH_INVARIANT=1 (beta, GPUs)
     # --- credit (DESIGN 5, 7) ---
     method: str = "twice"           # twice, or a baseline of the registry (grpo, vineppo, ...)
     omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (method=grpo)

@@ -34,6 +34,7 @@ Deviations (DESIGN.md section 13; `# DEVIATION V<n>:` where they act):
 import contextlib
 import itertools
 import os
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -153,15 +154,12 @@ def finish(req, out, reason):
         assert req.forced == r.given + len(out) - 1 and out[-1] == req.eos, \
             f"turn key {r.key}: vLLM went on past a forced stop"
         out = out[:-1]
-    ids = r.ids[:r.given] + out
+    ids, stop = r.ids[:r.given] + out, None
     for k in range(r.given, len(ids)):
         assert req.drawn.get(k) == ids[k], \
             f"turn key {r.key}: vLLM returned token {ids[k]} at {k}, the keyed draw was " \
             f"{req.drawn.get(k)}"
-    stop, probe = None, type("Probe", (), {"budget": r.budget})()
-    for k in range(r.given, len(ids)):
-        probe.ids = ids[:k + 1]
-        stop = req.rule.reason(probe, ids[k])
+        stop = req.rule.reason(types.SimpleNamespace(ids=ids[:k + 1], budget=r.budget), ids[k])
         if stop is not None:
             assert k == len(ids) - 1, f"turn key {r.key}: the stop rule ends the turn at {k}, " \
                                       f"vLLM at {len(ids) - 1}"
@@ -193,7 +191,7 @@ class VLLMEngine:
         from vllm import LLM
         self.config, self.generation_config = model.config, model.generation_config
         self.cuda = next(model.parameters()).is_cuda
-        dtype = dtype or _plain_dtype(model)
+        dtype = dtype or next(model.parameters()).dtype  # LoRA: its base's (the first parameter)
         with _hidden("llvmlite"):
             self.llm = LLM(model=path, skip_tokenizer_init=True, dtype=str(dtype).split(".")[-1],
                            max_model_len=max_context, enable_prefix_caching=True,
@@ -241,10 +239,10 @@ class VLLMEngine:
     def load(self, model):
         """Copy the policy's weights in (LoRA: W + (alpha / r) B A merged) and drop the prefix
         cache (its KV came from the old weights)."""
-        state = _plain_state(model)
         dtype = self.llm.llm_engine.vllm_config.model_config.dtype
-        weights = [(k, v.to(dtype)) for k, v in state.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
+        # cast one tensor at a time as vLLM reads it: no second copy of every weight at once
+        weights = ((k, v.to(dtype)) for k, v in _plain_state(model).items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                           "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
@@ -278,12 +276,6 @@ def _hidden(prefix):
         yield
     finally:
         sys.modules.update(held)
-
-
-def _plain_dtype(model):
-    """The dtype of the policy's weights as sampled (LoRA: its frozen base's)."""
-    frozen = [p.dtype for p in model.parameters() if not p.requires_grad]
-    return (frozen or [next(model.parameters()).dtype])[0]
 
 
 def _plain_state(model) -> dict:

@@ -114,10 +114,9 @@ def checks(world: str, questions: int = 16, group: int = 4, max_new: int = 40) -
         replay = rollout.continue_after_token(engine, tok, retr, requests, proto)
         out["replays"] = dict(rows=len(replay), same=_same(_ids(replay), _ids(got)))
         lines = Protocol(**{**proto.__dict__, "line_keys": "text"})
-        out["lines"] = dict(rows=len(ref), same=_same(_ids(episodes(model, proto=lines)),
-                                                      _ids(episodes(engine, proto=lines))),
-                            differ_from_group=len(ref) - _same(_ids(episodes(model, proto=lines)),
-                                                               _ids(ref)))
+        by_line = _ids(episodes(model, proto=lines))
+        out["lines"] = dict(rows=len(ref), same=_same(by_line, _ids(episodes(engine, proto=lines))),
+                            differ_from_group=len(ref) - _same(by_line, _ids(ref)))
         out["speed"] = speed(model, engine, tok, rows, proto)
         # every weight moves (the tied embedding, so the LM head, too)
         gen = torch.Generator().manual_seed(0)

@@ -283,9 +283,9 @@ SLACK = 0.05
 # engine=vllm (generation/vllm_engine.py), colocated on each rank: its copy of the weights and its KV
 # pool (vllm_kv_gib) while it samples, both released by sleep mode during the update; its workspace
 # (vllm_workspace: the largest profile forward over VLLM_BATCHED_TOKENS tokens, the keyed draw's
-# buffers per row, and VLLM_GIB's budgets), estimates the first-GPU check measures
-# (perf/gpucheck.py --vllm): CUDA graphs' pool and vLLM's own context, and what stays on the GPU
-# asleep (its graphs' memory is not tagged for sleep mode)
+# buffers per row, and VLLM_GIB's budgets), estimates the first-GPU check measures (make gpu-check
+# runs perf/bench_vllm.py --gpu): CUDA graphs' pool and vLLM's own context, and what stays on the
+# GPU asleep (its graphs' memory is not tagged for sleep mode)
 VLLM_CATEGORIES = ("vllm_weights", "vllm_pool", "vllm_workspace")
 VLLM_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens default for offline LLM() use
 VLLM_GIB = {"graphs": 1.0, "asleep": 1.0}
@@ -293,7 +293,7 @@ VLLM_GIB = {"graphs": 1.0, "asleep": 1.0}
 
 def vllm_parts(cfg, dims, dtype) -> dict:
     """{phase: {category: bytes}} of the colocated vLLM engine: awake in rollout and twins, asleep
-    after; and `vllm_kv_need`, a pool that holds every row at max_context (never preempts)."""
+    after."""
     h, inter, vocab = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
     forward = VLLM_BATCHED_TOKENS * (4 * h + 3 * inter) * memprobe._size(dtype)
     draws = cfg.vllm_max_seqs * vocab * 28  # logits, copy, uniforms' int64 pair, race: 28 B
