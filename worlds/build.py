@@ -44,6 +44,7 @@ with status 1 unless ALLOW_UNPINNED=1.
 from infra import numerics  # noqa: F401  first: pins the CPU math libraries before numpy and torch load
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -79,6 +80,10 @@ PRESETS = {
         token_weight=lambda tok, table, sc: world_chains.chains_token_weight(
             tok, table, sc["name_weight"]), stats=world_chains.chains_stats),
 }
+# the credit suite (worlds/chains.py SUITE): chains with other script probabilities, warm-started from chains
+PRESETS.update({name: dict(PRESETS["chains"], scales=world_chains.SUITE_SCALES,
+                           make_world=world_chains.make_suite_world(name)) for name in world_chains.SUITE})
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # std of a name's identity embedding (other tokens: the init's 0.1): sharp copies at T = 1
 NAME_STD = 0.3
 CHAT_TEMPLATE = (
@@ -345,9 +350,10 @@ def make_demos(episode, world, questions, top, n, seed):
     return demos
 
 
-def build_world(out, seed=0, scale="full", force=False, threads=1, preset="tiny"):
-    """Build a world (`preset` tiny or chains) into `out` atomically (temp dir, world.json last,
-    rename); returns the stats."""
+def build_world(out, seed=0, scale="full", force=False, threads=1, preset="tiny", init=None):
+    """Build a world (`preset` tiny, chains or a suite world) into `out` atomically (temp dir, world.json last,
+    rename); returns the stats. `init`: the chains world whose policy a suite world's BC starts from (default, at
+    a scale whose row says `from_chains`: the committed worlds/chains-<seed>)."""
     import torch
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -365,7 +371,7 @@ def build_world(out, seed=0, scale="full", force=False, threads=1, preset="tiny"
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tinyworld-", dir=parent)
     try:
-        stats = _build(tmp, seed, scale, out, preset)
+        stats = _build(tmp, seed, scale, out, preset, init)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(tmp, out)
@@ -377,7 +383,27 @@ def build_world(out, seed=0, scale="full", force=False, threads=1, preset="tiny"
     return stats
 
 
-def _build(tmp, seed, scale, out, name):
+def init_policy(model, tok, folder):
+    """Load the policy of the built world `folder` into `model` (a suite world's BC starts there); the two
+    tokenizers must be one (the same words: the suite's texts are chains'). Returns its weights' sha256."""
+    from safetensors.torch import load_file
+    path = os.path.join(folder, "policy", "model.safetensors")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"worlds/build.py: no policy to start from at {path} (build or copy the chains "
+                                "world of this seed first: make world WORLD=DIR PRESET=chains)")
+    from transformers import AutoTokenizer
+    if AutoTokenizer.from_pretrained(os.path.join(folder, "policy")).get_vocab() != tok.get_vocab():
+        raise ValueError(f"worlds/build.py: {folder}/policy has another vocabulary than this world's: not the "
+                         "chains world of the same seed and scale")
+    missing, unexpected = model.load_state_dict(load_file(path), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head is the embedding
+        raise ValueError(f"worlds/build.py: {path} does not fit this world's policy: missing {missing}, "
+                         f"unexpected {unexpected}")
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _build(tmp, seed, scale, out, name, init=None):
     """The world of the preset `name` into `tmp`: corpus and index, questions, tokenizer, BC policy,
     stats."""
     import torch
@@ -396,6 +422,9 @@ def _build(tmp, seed, scale, out, name):
     times["tokenizer_demos_s"], t = time.time() - t, time.time()
     torch.manual_seed(seed)
     model = make_policy(tok, sc)
+    if init is None and sc.get("from_chains"):
+        init = os.path.join(ROOT, "worlds", f"chains-{seed}")
+    start = init_policy(model, tok, init) if init else None
     table = name_table(tok, world, preset["lookalikes"](world))
     losses = train_bc(model, encoded, table, sc, seed, preset["token_weight"](tok, table, sc))
     model.save_pretrained(os.path.join(tmp, "policy"))
@@ -408,6 +437,7 @@ def _build(tmp, seed, scale, out, name):
     stats["bc"] = {
         "steps": len(losses), "batch": sc["bc_batch"], "episodes": len(encoded), "lr": sc["lr"],
         "params": sum(p.numel() for p in model.parameters()),
+        **({"init_sha256": start} if start else {}),
         "vocab": len(tok), "loss_first10": float(np.mean(losses[:10])), "loss_last10": float(
             np.mean(losses[-10:])), "losses": [round(x, 4) for x in losses]
     }
@@ -459,7 +489,10 @@ def main(argv=None):
         "built on pinned numerics) and exit")
     parser.add_argument("--seed", type=int, default=0, help="world, demonstrations and BC seed")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="tiny (the demo's world) or chains (1- to 4-hop chains, long turns)")
+                        help="tiny (the demo's world), chains (1- to 4-hop chains, long turns) or a world of the "
+                        "credit suite (worlds/chains.py SUITE: " + ", ".join(world_chains.SUITE) + ")")
+    parser.add_argument("--init", metavar="WORLD", help="a suite world: the chains world whose policy BC starts "
+                        "from (default at full scale: worlds/chains-<seed>)")
     parser.add_argument("--scale", choices=sorted({
         s for p in PRESETS.values() for s in p["scales"]
     }), default="full", help="full world, or a small one for tests")
@@ -475,7 +508,7 @@ def main(argv=None):
     if not args.out:
         parser.error("--out is required (or --calibration, --verify or --lock WORLD)")
     numerics.require("this world build")
-    stats = build_world(args.out, args.seed, args.scale, args.force, 1, args.preset)
+    stats = build_world(args.out, args.seed, args.scale, args.force, 1, args.preset, args.init)
     stats["bc"].pop("losses")
     print(json.dumps(stats, indent=1, default=float))
     verify(args.out)

@@ -11,6 +11,9 @@ early and their outcome late. Same generator, formats and code paths as the tiny
   was read and what is needed (~55 tokens). The scripts make a different plausible mistake at each
   hop (CHAIN_PROBS): search the look-alike, misread the other entity's fact, answer a bridge early,
   stop one hop short (the majority at the last bridge, so greedy decoding fails there).
+- The credit suite (SUITE): the same world with the scripts' probabilities moved along two knobs,
+  luck (the misread rate of the last read, after the decision RL must fix) and delay (that decision
+  at the first bridge instead of the last); its worlds are warm-started from the chains policy.
 - Stats (world.json): the measured warm-start figures and the share of decisions with positive
   oracle advantage (Monte Carlo through rollout.continue_from) in failed episodes;
   `stop_calibration` (`worlds/build.py --calibration`) reads a built world's stop decisions.
@@ -66,6 +69,32 @@ CHAIN_PROBS = {
     # position, and greedy passed some 3-4 hop questions
     "last_bridge": {"continue": 0.35, "stop_short": 0.65},
 }
+# The credit suite (DESIGN.md section 9, "The credit suite"): chains with two knobs. `luck`: the scripts' misread rate
+# at the last read of a chain (the answer's document), after the decision RL must fix and whatever it was: the share
+# of the outcome the warm start's own sampling decides after it (chains: 0.12, the rate of every read). `delay`: where
+# the warm start's systematic error sits, at the last bridge as in chains (one turn before the answer) or at the first
+# bridge (answer the company early, the majority on every question of 2 or more hops: 1-3 turns before the answer,
+# 2.25 on the test questions of 2+ hops), the last bridge then continued as the other bridges are. Same entities,
+# documents, questions and words as chains, so the same tokenizer, and the policy is warm-started from the chains
+# world's (SUITE_SCALES).
+SUITE = {
+    "luck-mid": {"luck": 0.30, "delay": "last"},
+    "luck-high": {"luck": 0.50, "delay": "last"},
+    "delay-high": {"luck": 0.50, "delay": "first"},
+}
+
+
+def suite_probs(luck, delay):
+    """CHAIN_PROBS with the last read's misread rate `luck` and the systematic stop at the `delay` bridge."""
+    probs = {**CHAIN_PROBS, "read_last": {"right": round(1 - luck, 6), "misread": luck}}
+    if delay == "first":
+        probs["first_bridge"] = {"continue": 0.35, "answer_early": 0.65}
+        probs["last_bridge"] = {"continue": 0.88, "stop_short": 0.12}
+    elif delay != "last":
+        raise ValueError(f"delay must be 'last' or 'first', not {delay!r}")
+    return probs
+
+
 CHAIN_QTYPES = {  # type: (hops, goal, templates); 4-hop gets two templates, so 40% of the questions need 4 searches
     "employer": (1, "a company that a person works for", ("Which company does {} work for?",)),
     "founder": (2, "a founder of a company", ("Who founded the company that {} works for?",)),
@@ -130,6 +159,11 @@ CHAIN_SCALES = {
                  name_weight=5, eval_questions=3, eval_group=2, eval_max_new=24, oracle_episodes=2,
                  oracle_rollouts=2),
 }
+# A suite world's policy starts from the chains world's of its seed (`from_chains`; worlds/build.py --init): BC then
+# moves the decisions its scripts change, 400 steps at a third of the learning rate (the chains recipe from scratch
+# is 1,600 steps, ~30 min on one pinned thread). At test scale it starts from scratch unless --init names one.
+SUITE_SCALES = {"full": {**CHAIN_SCALES["full"], "bc_steps": 400, "lr": 1e-3, "from_chains": True},
+                "test": {**CHAIN_SCALES["test"], "from_chains": False}}
 
 
 def _pairs(rng, kind, n, taken):
@@ -197,6 +231,16 @@ def make_chains_world(seed, scale="full"):
     world["test_subjects"] = sorted(p for pair in workers[len(workers) - s["test_pairs"]:]
                                     for p in pair)
     return world
+
+
+def make_suite_world(name):
+    """make_world of the credit-suite preset `name`: the chains world of the seed, its preset, knobs and script
+    probabilities (world.json's `world`)."""
+    def make(seed, scale="full"):
+        world = make_chains_world(seed, scale)
+        world.update(preset=name, suite=SUITE[name], probs=suite_probs(**SUITE[name]))
+        return world
+    return make
 
 
 def lookalikes(world):
@@ -295,13 +339,14 @@ def chains_token_weight(tok, table, weight):
 
 def chains_episode(q, world, top, rng, perfect=False):
     """One scripted chains episode: ([(turn_text, observation or None)], [(decision, choice)]); the
-    same contract as world_tiny.scripted_episode. Choices follow CHAIN_PROBS (perfect: always the
-    first); fillers are drawn either way."""
+    same contract as world_tiny.scripted_episode. Choices follow the world's probabilities (CHAIN_PROBS,
+    or a suite world's; perfect: always the first); fillers are drawn either way."""
     hops, look, turns, log = q["metadata"]["hops"], world["lookalike"], [], []
+    table = world.get("probs", CHAIN_PROBS)
     state = {"searches": 0}
 
     def choose(row, allowed=None):
-        probs = {k: p for k, p in CHAIN_PROBS[row].items() if allowed is None or k in allowed}
+        probs = {k: p for k, p in table[row].items() if allowed is None or k in allowed}
         keys, p = list(probs), np.array(list(probs.values()))
         pick = keys[0] if perfect else keys[rng.choice(len(keys), p=p / p.sum())]
         log.append((row, pick))
@@ -326,17 +371,25 @@ def chains_episode(q, world, top, rng, perfect=False):
             act([CHAIN_NOTICE.format(entity, target)], CHAIN_NEED[rel].format(target), "search",
                 target)
             entity = target
-        source = entity if choose("read") == "right" else world["neighbour"][entity]
+        read = "read_last" if hop == hops - 1 and "read_last" in table else "read"
+        source = entity if choose(read) == "right" else world["neighbour"][entity]
         value = relation(world, source, rel)
         head, row = [CHAIN_FACT[rel].format(entity, value)], "search"
         last = hop == hops - 1
         if not last and state["searches"] < MAX_SEARCHES:
-            last = choose("last_bridge" if hop == hops - 2 else "bridge") != "continue"
+            last = choose(bridge_row(table, hop, hops)) != "continue"
         if last:
             act(head, CHAIN_ANSWER.format(value), "answer", value)
             return turns, log
         target = value
     raise AssertionError("unreachable: the last hop answers")
+
+
+def bridge_row(table, hop, hops):
+    """The script's row of the bridge read at `hop` of a `hops`-hop chain (two or more hops left or the last)."""
+    if hop == 0 and "first_bridge" in table:
+        return "first_bridge"
+    return "last_bridge" if hop == hops - 2 else "bridge"
 
 
 def chains_warm_start(model, tok, retr, questions, group, seed, max_new):
@@ -421,45 +474,44 @@ def chains_stats(model, tok, retr, world, split, top, demos, seed, sc, times):
         for s, rows in split.items()
     }
     return {
-        "preset": "chains", "seed": seed, "scale": world["scale"], "corpus_docs": len(
+        "preset": world["preset"], "seed": seed, "scale": world["scale"], "corpus_docs": len(
             chains_corpus_rows(world)),
         "entities": {k: len(world[k]) for k in KINDS}, "confusable_workers": sum(
             bool(p.get("confusable")) for p in world["people"].values()), "questions": {
                 s: count_questions(rows) for s, rows in split.items()
             }, "questions_per_hop": hops, "share_4hop": {
                 s: hops[s][4] / len(rows) for s, rows in split.items()
-            }, "demo_probs": CHAIN_PROBS, "scripted_em": {
+            }, "demo_probs": world.get("probs", CHAIN_PROBS), "scripted_em": {
                 s: {
                     "perfect": scripted_em(chains_episode, world, rows, top, seed, True),
                     "imperfect": scripted_em(chains_episode, world, rows, top, seed, False)
                 } for s, rows in split.items()
             }, "demo_decisions": decision_freqs(log for _, _, log in demos), "warm_start": {
                 "test": warm
-            }
+            }, **({"suite": world["suite"]} if "suite" in world else {})
     }
 
 
 def stop_calibration(world_dir: str, split: str = "test", seed: int = 0) -> dict:
-    """How well a chains world's warm start learned the stop decisions: P(So) / (P(So) + P(Next)) at
-    each decision word of scripted perfect episodes (teacher-forced), by position (hops, kind),
-    against the scripts' probability."""
+    """How well a chains (or suite) world's warm start learned its scripts, teacher-forced on scripted perfect
+    episodes: P(So) / (P(So) + P(Next)) at each decision word, by position (hops, kind), against the scripts'
+    probability of stopping there; and at the last read (`{hops}hop/read_last`), P(right value) / (P(right) +
+    P(the misread value)) against the scripts' probability of reading right."""
     import torch
     import retriever
     from eval import load_policy
     with open(os.path.join(world_dir, "world.json")) as f:
         world = json.load(f)["world"]
-    if world.get("preset") != "chains":
+    if world.get("preset") != "chains" and world.get("preset") not in SUITE:
         raise ValueError(
             f"{world_dir}/world.json: not a chains world (preset {world.get('preset')!r})")
+    table = world.get("probs", CHAIN_PROBS)
     model, tok = load_policy(os.path.join(world_dir, "policy"))
     retr = retriever.Retriever(os.path.join(world_dir, "index"))
     top = dict(zip(entity_names(world), retr.search(entity_names(world), topk=TOPK)))
     so, nxt = tok.convert_tokens_to_ids("\u0120So"), tok.convert_tokens_to_ids("\u0120Next")
-    script = {
-        "bridge": CHAIN_PROBS["bridge"]["answer_early"],
-        "last_bridge": CHAIN_PROBS["last_bridge"]["stop_short"], "answer": 1.0
-    }
-    rng, out = make_rng(seed, 7), {}
+    stop = {"first_bridge": "answer_early", "bridge": "answer_early", "last_bridge": "stop_short"}
+    rng, out, script = make_rng(seed, 7), {}, {}
     for q in chains_question_rows(world, split):
         turns, _ = chains_episode(q, world, top, rng, perfect=True)
         ids, mask = encode_episode(tok, q["question"], turns, {})
@@ -469,12 +521,19 @@ def stop_calibration(world_dir: str, split: str = "test", seed: int = 0) -> dict
             i for i in range(1, len(ids)) if mask[i] and ids[i] in (so, nxt)
         ]
         for k, i in enumerate(at[1:], 1):  # the first think block always searches
-            kind = "answer" if k == hops else "last_bridge" if k == hops - 1 else "bridge"
-            out.setdefault(f"{hops}hop/{kind}@{k}", []).append(
-                float(p[i - 1, so] / (p[i - 1, so] + p[i - 1, nxt])))
+            row = "answer" if k == hops else bridge_row(table, k - 1, hops)
+            key = f"{hops}hop/{row}@{k}"
+            script[key] = 1.0 if row == "answer" else table[row][stop[row]]
+            out.setdefault(key, []).append(float(p[i - 1, so] / (p[i - 1, so] + p[i - 1, nxt])))
+        chain, rel = q["metadata"]["chain"], CHAIN_RELS[hops - 1]
+        right = tok.convert_tokens_to_ids("\u0120" + chain[-1])
+        entity = chain[-2] if hops > 1 else q["metadata"]["subject"]  # the last document read
+        wrong = tok.convert_tokens_to_ids("\u0120" + relation(world, world["neighbour"][entity], rel))
+        i = next(i for i in range(1, len(ids)) if mask[i] and ids[i] == right)  # the last think's fact
+        key = f"{hops}hop/read_last"
+        script[key] = table.get("read_last", table["read"])["right"]
+        out.setdefault(key, []).append(float(p[i - 1, right] / (p[i - 1, right] + p[i - 1, wrong])))
     return {
-        key: {
-            "p_stop": round(float(np.mean(v)), 3),
-            "script": script[key.split("/")[1].split("@")[0]], "n": len(v)
-        } for key, v in sorted(out.items())
+        key: {"p_stop" if "@" in key else "p_right": round(float(np.mean(v)), 3), "script": script[key],
+              "n": len(v)} for key, v in sorted(out.items())
     }
