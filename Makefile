@@ -28,7 +28,8 @@ qPY     = $(call q,$(PY))
 qWORLD  = $(call q,$(WORLD))
 tWORLD  = $(call t,$(WORLD))
 
-.PHONY: install test test-slow world index demo demo-compare compare-methods benchmark benchmark-report audit eval
+.PHONY: install test test-slow world index demo demo-compare compare-methods benchmark benchmark-report suite \
+        suite-report audit eval
 
 # install: requirements.txt (CPU, faiss-cpu), all that make demo needs. install-dev: the tests'
 # extras on top (requirements-dev.txt: pytest, W&B, the benchmarks' tokenizers). install-gpu
@@ -64,7 +65,9 @@ test-slow: install install-dev
 	$(qPY) -m pytest -q -m slow tests
 
 # A built-in world: corpus, questions, tokenizer, index and warm-start policy (DESIGN.md section 9). PRESET=tiny (the
-# demo's) or chains (1- to 4-hop chains: make world WORLD=data/chains PRESET=chains, ~10 min on one thread). worlds/build.py
+# demo's), chains (1- to 4-hop chains: make world WORLD=data/chains PRESET=chains, ~30 min on one thread) or a world
+# of the credit suite, luck-mid, luck-high or delay-high (chains with more luck after the decision RL must fix, or that
+# decision earlier; ~5 min each from the chains policy: make world WORLD=data/luck-high PRESET=luck-high). worlds/build.py
 # builds on pinned numerics (infra/numerics.py) and compares the world with worlds.lock; so does every target below that uses
 # a world (VERIFY): a world that differs is not the one RESULTS.md measured, and the target fails unless
 # ALLOW_UNPINNED=1.
@@ -143,6 +146,20 @@ benchmark: install
 
 benchmark-report: install
 	$(qPY) -m lab.benchmark report
+
+# The credit suite's benchmark (lab/suite.py; RESULTS.md "Credit suite"): the benchmark's methods, at the chains
+# benchmark's knobs, on the committed suite world SUITE (luck-mid, luck-high, delay-high; chains: the labels its
+# samples set did not run), seeds SUITE_SEEDS = dev (0-2) or all (0-2 and 10-15); finished runs are kept and copied
+# into results/suite/<world>/runs/ (commit them). suite-report rebuilds every world's tables.md,
+# results/suite/SUMMARY.md and figures/suite_gain_vs_rho.png from there and the audits.
+SUITE       ?= luck-high
+SUITE_SEEDS ?= dev
+suite: install
+	$(qPY) -m lab.suite run $(SUITE) --seeds $(SUITE_SEEDS) --jobs $(JOBS)
+	$(qPY) -m lab.suite report --seeds $(SUITE_SEEDS)
+
+suite-report: install
+	$(qPY) -m lab.suite report --seeds $(SUITE_SEEDS)
 
 # Credit audit (DESIGN.md section 8) of the warm-start policy against Monte Carlo oracle advantages; the methods/__init__.py rows
 # take their knobs from the world's trainer preset (configs/demo.cfg, or configs/chains.cfg for WORLD=data/chains).

@@ -38,6 +38,7 @@ import methods
 import rollout
 import sampler
 import train_twice
+from worlds.chains import SUITE
 
 METHOD_ROWS = {
     "gigpo": "GiGPO", "hgpo": "HGPO", "igpo": "IGPO", "spa_rl": "SPA-RL", "agentprm": "AgentPRM"
@@ -49,8 +50,8 @@ def method_names(text: str) -> list:
 
 
 def world_preset(world: str) -> str:
-    """The trainer preset a built-in world is trained with (configs/chains.cfg, configs/demo.cfg;
-    world.json's preset), '' when the folder holds no world.json (then train_twice.Config's
+    """The trainer preset a built-in world is trained with (configs/chains.cfg for chains and the credit suite's
+    worlds, configs/demo.cfg; world.json's preset), '' when the folder holds no world.json (then train_twice.Config's
     defaults)."""
     path = os.path.join(world, "world.json")
     if not os.path.isfile(path):
@@ -59,7 +60,7 @@ def world_preset(world: str) -> str:
         preset = json.load(f).get("stats", {}).get("preset", "tiny")
     return os.path.relpath(
         os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                     "chains.cfg" if preset == "chains" else "demo.cfg"))
+                     "chains.cfg" if preset == "chains" or preset in SUITE else "demo.cfg"))
 
 
 class OneProcess:

@@ -103,7 +103,11 @@ def flags(label: str) -> list:
                 "--method=twice", f"--twin_unit={parts[1]}", f"--twin_budget={float(parts[2][1:])}",
                 f"--omega={float(parts[3][1:])}"
             ] + as_run + extra
-        if parts[0] == "independent" and len(parts) == 3:
+        if parts[0] == "independent" and len(parts) in (3, 4):
+            if len(parts) == 4:  # "-capC": the bounded term, as TWICE's
+                if not parts[3].startswith("cap"):
+                    raise ValueError(unreadable)
+                as_run = ["--twin_scale=rms", f"--twin_cap={float(parts[3][3:])}"]
             return out + ["--method=independent", f"--twin_budget={float(parts[1][1:])}",
                           f"--omega={float(parts[2][1:])}"] + as_run
         if parts[0] == "vineppo" and len(parts) == 2:

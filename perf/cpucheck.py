@@ -1,5 +1,5 @@
 """The same results on every x86-64 CPU, checked in one command (DESIGN.md section 9): the probe's
-digests (perf/probe.py), both built-in worlds at test scale, and two TWICE steps on the tiny one,
+digests (perf/probe.py), both built-in worlds and a credit-suite world at test scale, two TWICE steps on the tiny one,
 computed natively and under QEMU's emulation of other CPU models, then compared with each other and
 with worlds/worlds.lock.
 
@@ -32,6 +32,10 @@ def digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()[:12]
 
 
+# the worlds built at test scale on every CPU: both presets and a credit-suite world (its scripts' other branches)
+WORLDS = ("tiny", "chains", "luck-high")
+
+
 def on_cpu(cpu: str, out: str) -> dict:
     """Everything one CPU computes, as digests: each command in its own process, natively or under
     `qemu-x86_64 -cpu CPU` (QEMU's user mode does not follow a child process, so every command is
@@ -42,7 +46,7 @@ def on_cpu(cpu: str, out: str) -> dict:
     probed = json.JSONDecoder().raw_decode(printed)[0]["probe"]
     found = {f"probe/{k}": v for k, v in probed.items() if k != "vml_sqrt"}  # MKL's: CPU-dependent
     from worlds import lock
-    for preset in ("tiny", "chains"):
+    for preset in WORLDS:
         world = os.path.join(out, preset)
         run(qemu + [sys.executable, "-m", "worlds.build", "--out", world, "--preset", preset,
                     "--scale", "test", "--force"], env)
@@ -72,7 +76,7 @@ def compare(results: dict) -> list:
     """Lines of the table (what differs between CPUs, or from worlds.lock), and the verdict."""
     from worlds import lock
     locked = {}
-    for preset in ("tiny", "chains"):
+    for preset in WORLDS:
         entry = lock.read_lock().get((preset, 0, "test"), {})
         locked.update({f"{preset}/{k}": v[:12] for k, v in entry.items()})
     keys = sorted({k for r in results.values() for k in r})

@@ -28,7 +28,7 @@ ORDER = [
     "methods.baselines", "methods.learned", "methods", "train_twice",
     "retrieval.limits", "retrieval.server",
     "worlds.lock", "worlds.base", "worlds.tiny", "worlds.chains", "worlds.build", "worlds.data",
-    "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark",
+    "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark", "lab.suite",
     "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_vllm", "perf.bench_server",
     "perf.bench",
     "perf.gpucheck", "perf.nodecheck", "perf.smoke", "perf.probe", "perf.cpucheck",

@@ -23,6 +23,8 @@ NOT_HERE = {  # a README command (regular expression) -> why this suite does not
     r"^make benchmark SET=": "hours of training runs; tests/test_benchmark.py checks the sets",
     r"^make benchmark-report$": "rewrites results/chains: tests/test_benchmark.py rebuilds it elsewhere",
     r"^make compare-methods": "13 methods' training runs",
+    r"^make suite SUITE=": "hours of training runs; tests/test_suite.py checks the sets and their passes",
+    r"^make suite-report$": "rewrites results/suite: tests/test_suite.py rebuilds a summary elsewhere",
     r"^python -m worlds.data convert ": "needs a Search-R1 parquet: tests/test_data.py converts one it writes",
     r"^python -m perf.ledger configs/": "minutes per preset; tests/test_ledger.py runs the ledger small",
     r"^python -m worlds.build --out data/(tinyworld|chains)": "a full build; tests/test_world*.py build both "
@@ -60,7 +62,7 @@ class Context:
             w = w.replace("data/tinyworld/index_bm25", os.path.join(self.tmp, "index_bm25"))
             w = w.replace("data/tinyworld", self.world).replace("runs/demo/twice", self.run)
             w = w.replace("runs/demo/lora", self.lora).replace("runs/audit", os.path.join(self.tmp, "audit"))
-            w = w.replace("data/chains", os.path.join(self.tmp, "chains"))
+            w = re.sub(r"data/(chains|luck-mid|luck-high|delay-high)", lambda m: os.path.join(self.tmp, m[1]), w)
             if "step_000030" in w:
                 w = w.replace("step_000030", f"step_{self.last:06d}")
             out.append(w)
@@ -161,8 +163,9 @@ def make(cmd: str, *extra) -> list:
 
 
 def world_copy(ctx, cmd):
-    out = os.path.join(ctx.tmp, "chains" if "chains" in cmd else "tiny-world")
-    words = ctx.swap(cmd) + ([] if "WORLD=" in cmd else [f"WORLD={out}"])
+    words = ctx.swap(cmd)
+    out = next((w[len("WORLD="):] for w in words if w.startswith("WORLD=")), os.path.join(ctx.tmp, "tiny-world"))
+    words += [] if "WORLD=" in cmd else [f"WORLD={out}"]
     run(make(" ".join(shlex.quote(w) for w in words)))
     assert os.path.isfile(os.path.join(out, "world.json"))
     run([sys.executable, "-m", "worlds.build", "--verify", out])
@@ -211,6 +214,7 @@ RUNS = [  # (README command pattern, what runs it), in this order
         ctx.swap(cmd.replace("step_000030", "step_000001")) + ["--limit=3"])),
     (r"^make world$", world_copy),
     (r"^make world WORLD=data/chains PRESET=chains$", world_copy),
+    (r"^make world WORLD=data/luck-high PRESET=luck-high$", world_copy),
     (r"^python -m worlds.build --verify DIR$", lambda ctx, cmd: run(
         [sys.executable, "-m", "worlds.build", "--verify", os.path.join(ctx.tmp, "tiny-world")])),
     (r"^make reproduce-3b DRY_RUN=1$", lambda ctx, cmd: run(make(cmd))),

@@ -151,23 +151,82 @@ def test_rebuild_is_bit_for_bit_identical(world_dir, tmp_path):
 
 
 def test_stop_calibration_covers_every_decision_position(world_dir, built, capsys):
-    """`worlds/build.py --calibration`: one row per (hops, decision kind, position) of the scripted perfect episodes,
-    counting every question once, with probabilities in [0, 1] and the script's own probability beside them."""
+    """`worlds/build.py --calibration`: one row per (hops, decision kind, position) of the scripted perfect episodes
+    and one per hop count for the last read, counting every question once, with probabilities in [0, 1] and the
+    script's own probability beside them."""
     world.main(["--calibration", world_dir, "--seed", str(SEED)])
     out = capsys.readouterr().out
     cal = json.loads(out[out.find("{"):])
     test = built["rows"]["test"]
+    hop_counts = {q["metadata"]["hops"] for q in test}
     expect = {f"{h}hop/{'answer' if k == h else 'last_bridge' if k == h - 1 else 'bridge'}@{k}"
-              for h in {q["metadata"]["hops"] for q in test} for k in range(1, h + 1)}
-    assert set(cal) == expect
+              for h in hop_counts for k in range(1, h + 1)}
+    assert set(cal) == expect | {f"{h}hop/read_last" for h in hop_counts}
+    probs = world_chains.CHAIN_PROBS
+    script = {"answer": 1.0, "last_bridge": probs["last_bridge"]["stop_short"],
+              "bridge": probs["bridge"]["answer_early"], "read_last": probs["read"]["right"]}
     for key, row in cal.items():
         hops = int(key[0])
         assert row["n"] == sum(q["metadata"]["hops"] == hops for q in test)
-        assert 0.0 <= row["p_stop"] <= 1.0
-        probs = world_chains.CHAIN_PROBS
-        script = {"answer": 1.0, "last_bridge": probs["last_bridge"]["stop_short"],
-                  "bridge": probs["bridge"]["answer_early"]}
+        assert 0.0 <= row["p_right" if key.endswith("read_last") else "p_stop"] <= 1.0
         assert row["script"] == script[key.split("/")[1].split("@")[0]]
+
+
+def suite_world(built, name):
+    return {**built["world"], "preset": name, "suite": world_chains.SUITE[name],
+            "probs": world_chains.suite_probs(**world_chains.SUITE[name])}
+
+
+def test_the_suite_scripts_move_only_their_knobs(built):
+    """luck: the last read misreads at the world's rate, earlier reads at chains'; delay: the first bridge stops
+    early at 0.65 and the last bridge continues as the others; the entities, documents and questions are chains'."""
+    rows = built["rows"]["train"]
+    for name, knobs in world_chains.SUITE.items():
+        w = suite_world(built, name)
+        assert world_chains.chains_question_rows(w, "train") == rows
+        assert world_chains.chains_corpus_rows(w) == world_chains.chains_corpus_rows(built["world"])
+        rng, picks = world_base.make_rng(1, 2), {}
+        for _ in range(40):
+            for r in rows:
+                for row, pick in world_chains.chains_episode(r, w, built["top"], rng)[1]:
+                    picks.setdefault(row, []).append(pick)
+        misread = picks["read_last"].count("misread") / len(picks["read_last"])
+        assert abs(misread - knobs["luck"]) < 0.05, (name, misread)
+        assert abs(picks["read"].count("misread") / len(picks["read"]) - 0.12) < 0.05
+        if knobs["delay"] == "first":
+            first = picks["first_bridge"]
+            assert abs(first.count("answer_early") / len(first) - 0.65) < 0.05
+            assert picks["last_bridge"].count("stop_short") / len(picks["last_bridge"]) < 0.2
+        else:
+            assert "first_bridge" not in picks
+    with pytest.raises(ValueError, match="delay must be"):
+        world_chains.suite_probs(0.3, "middle")
+
+
+def test_a_suite_world_starts_from_the_chains_policy(world_dir, built, tmp_path):
+    """--init: BC starts from the chains world's policy (its sha256 in world.json), and moves it; a policy of another
+    vocabulary, or none, is refused by name."""
+    import hashlib
+    from transformers import AutoTokenizer
+    out = tmp_path / "luck"
+    world.main(["--out", str(out), "--seed", str(SEED), "--preset", "luck-high", "--scale", "test", "--init",
+                world_dir])
+    stats = json.load(open(out / "world.json"))["stats"]
+    start = open(os.path.join(world_dir, "policy", "model.safetensors"), "rb").read()
+    assert stats["bc"]["init_sha256"] == hashlib.sha256(start).hexdigest()
+    assert stats["preset"] == "luck-high" and stats["suite"] == {"luck": 0.5, "delay": "last"}
+    assert stats["demo_probs"]["read_last"] == {"right": 0.5, "misread": 0.5}
+    # from the trained chains policy, the first losses are below those of chains' own BC from scratch
+    assert stats["bc"]["loss_first10"] < built["stats"]["bc"]["loss_first10"]
+    assert open(out / "policy" / "model.safetensors", "rb").read() != start
+    model = world.make_policy(AutoTokenizer.from_pretrained(os.path.join(world_dir, "policy")),
+                              world_chains.SUITE_SCALES["test"])
+    tok = AutoTokenizer.from_pretrained(os.path.join(world_dir, "policy"))
+    tok.add_tokens(["Zzyzxword"])
+    with pytest.raises(ValueError, match="another vocabulary"):
+        world.init_policy(model, tok, world_dir)
+    with pytest.raises(FileNotFoundError, match="no policy to start from"):
+        world.init_policy(model, tok, str(tmp_path))
 
 
 def test_calibration_refuses_a_tiny_world(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from worlds import lock as world_lock
+from worlds.chains import SUITE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,7 +74,8 @@ def test_a_bad_lock_line_is_named(tmp_path, line):
 
 def test_the_lock_holds_both_presets_at_both_scales():
     entries = world_lock.read_lock()
-    for key in [("tiny", 0, "full"), ("tiny", 0, "test"), ("chains", 0, "full"), ("chains", 0, "test")]:
+    for key in [("tiny", 0, "full"), ("tiny", 0, "test"), ("chains", 0, "full"), ("chains", 0, "test"),
+                *((name, 0, "full") for name in SUITE), ("luck-high", 0, "test")]:
         assert sorted(entries[key]) == sorted(entries[("tiny", 0, "test")]), key  # the same 13 files in each
     assert len(entries[("tiny", 0, "test")]) == 13
 
@@ -82,20 +84,20 @@ def test_the_shipped_worlds_are_the_locked_ones():
     """worlds/<preset>-<seed> (what `make world` copies) holds exactly the files of its worlds.lock entry."""
     shipped = sorted(d for d in os.listdir(os.path.join(ROOT, "worlds"))  # the builds beside the builder
                      if os.path.isdir(os.path.join(ROOT, "worlds", d)) and not d.startswith("__"))
-    assert shipped == ["chains-0", "tiny-0"]
+    assert shipped == sorted(["chains-0", "tiny-0", *(f"{name}-0" for name in SUITE)])
     for name in shipped:
         key, differing = world_lock.compare(os.path.join(ROOT, "worlds", name))
         assert f"{key[0]}-{key[1]}" == name and key[2] == "full" and differing == [], (name, differing)
 
 
 def test_committed_worlds_rebuild_to_their_digests(tmp_path):
-    """Both presets at test scale, each built by `worlds/build.py` in a fresh process (pinned before torch loads), in an
+    """Both presets and a suite world at test scale, each built by `worlds/build.py` in a fresh process (pinned before torch loads), in an
     environment that asks for other kernels and threads: the pins override it, and every file matches worlds.lock."""
     env = {k: v for k, v in os.environ.items() if k != "ALLOW_UNPINNED"}  # a difference must fail the build
     env.update(OMP_NUM_THREADS="2", MKL_CBWR="AVX512", ATEN_CPU_CAPABILITY="avx512", ONEDNN_MAX_CPU_ISA="ALL")
     procs = {p: subprocess.Popen([sys.executable, "-m", "worlds.build", "--out", str(tmp_path / p), "--preset", p, "--scale",
                                   "test"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for p in ("tiny", "chains")}
+             for p in ("tiny", "chains", "luck-high")}
     for preset, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
