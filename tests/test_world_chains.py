@@ -168,7 +168,10 @@ def test_stop_calibration_covers_every_decision_position(world_dir, built, capsy
     for key, row in cal.items():
         hops = int(key[0])
         assert row["n"] == sum(q["metadata"]["hops"] == hops for q in test)
-        assert 0.0 <= row["p_right" if key.endswith("read_last") else "p_stop"] <= 1.0
+        if key.endswith("read_last"):
+            assert 0.0 <= row["p_misread"] and row["p_right"] + row["p_misread"] <= 1.0 + 1e-3
+        else:
+            assert 0.0 <= row["p_stop"] <= 1.0
         assert row["script"] == script[key.split("/")[1].split("@")[0]]
 
 
