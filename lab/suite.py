@@ -32,8 +32,7 @@ ROOT = benchmark.ROOT
 RESULTS = os.path.join(ROOT, "results", "suite")
 FIGURE = os.path.join(ROOT, "figures", "suite_gain_vs_rho.png")
 # the audit each world's coupling is read from (python -m lab.audit ..., RESULTS.md "Credit suite")
-AUDITS = {"chains": os.path.join(ROOT, "results", "chains-audit"),
-          **{w: os.path.join(RESULTS, w, "audit") for w in SUITE}}
+AUDITS = {w: os.path.join(RESULTS, w, "audit") for w in ("chains", *SUITE)}
 CHAINS_SAMPLES = os.path.join(ROOT, "results", "chains-samples")
 GRPO, CREDIT = "grpo", "twice-turn-b0.7-w1-cap2"  # TWICE credit only: the bounded set's knobs
 DATA = "twice-turn-b0.7-w1-cap2-data-late1"  # twins as rows: the arm the chains samples-sweep chose
