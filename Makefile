@@ -67,7 +67,7 @@ test-slow: install install-dev
 # A built-in world: corpus, questions, tokenizer, index and warm-start policy (DESIGN.md section 9). PRESET=tiny (the
 # demo's), chains (1- to 4-hop chains: make world WORLD=data/chains PRESET=chains, ~30 min on one thread) or a world
 # of the credit suite, luck-mid, luck-high or delay-high (chains with more luck after the decision RL must fix, or that
-# decision earlier; ~5 min each from the chains policy: make world WORLD=data/luck-high PRESET=luck-high). worlds/build.py
+# decision earlier; 4-14 min each from the chains policy: make world WORLD=data/luck-high PRESET=luck-high). worlds/build.py
 # builds on pinned numerics (infra/numerics.py) and compares the world with worlds.lock; so does every target below that uses
 # a world (VERIFY): a world that differs is not the one RESULTS.md measured, and the target fails unless
 # ALLOW_UNPINNED=1.

@@ -4,7 +4,7 @@ coupling the audit measured on each world.
 
     python -m lab.suite run WORLD [--seeds dev|all] [--jobs 2]   # WORLD: luck-mid, luck-high, delay-high or chains;
                                                                  # the runs' outputs in results/suite/WORLD/runs/
-    python -m lab.suite report                                   # every world's tables.md, SUMMARY.md, the figure
+    python -m lab.suite report                                   # each world's tables, results/suite/SUMMARY.md, figure
     python -m lab.suite plan WORLD [--seeds dev|all]             # the runs, done or to do
 
 Runs are lab/benchmark.py's (labels, run_one: configs/chains.cfg + configs/compare-methods.cfg, 120k generated
@@ -146,10 +146,10 @@ def world_runs(world: str, seeds: tuple) -> dict:
     return out
 
 
-def gains(runs: dict) -> dict:
-    """{label: (per-token gain, its SE, per-update gain, its SE, seeds)}: AUC - GRPO's and EM - GRPO's after the same
-    number of updates (each curve interpolated in updates), paired by seed; SE over seeds."""
-    base = {cfg["seed"]: rows for cfg, rows in runs.get(GRPO, [])}
+def gains(runs: dict, against: str = GRPO) -> dict:
+    """{label: (per-token gain, its SE, per-update gain, its SE, seeds)}: AUC - the base's (`against`, GRPO) and EM -
+    its EM after the same number of updates (each curve interpolated in updates), paired by seed; SE over seeds."""
+    base = {cfg["seed"]: rows for cfg, rows in runs.get(against, [])}
     if not base:
         return {}
     budget = report.shared_budget(runs)
@@ -158,7 +158,7 @@ def gains(runs: dict) -> dict:
         tok, upd = [], []
         for cfg, rows in seeds:
             b = base.get(cfg["seed"])
-            if lab == GRPO or b is None:
+            if lab == against or b is None:
                 continue
             tok.append(report.auc(report.em_vs_tokens(rows), budget) - report.auc(report.em_vs_tokens(b), budget))
             mine, theirs = benchmark.updates_curve(rows), benchmark.updates_curve(b)
@@ -200,6 +200,17 @@ def summary(seeds_name: str = "dev") -> tuple:
             cells += [f"{g[key][0]:+.3f} +- {g[key][1]:.3f} ({g[key][4]})", f"{g[key][2]:+.3f} +- {g[key][3]:.3f}"] \
                 if key else ["-", "-"]
         lines.append(f"| {lab} | " + " | ".join(cells) + " |")
+    lines += ["", "What coupling and the pair credit add (paired by seed, the same cells): coupling = TWICE credit only "
+              "against the independent counterfactual at the same knobs; pair credit = twins as rows against the same "
+              "rows at omega 0:", "", "| comparison | " + " | ".join(f"{w}: per token | {w}: per update" for w in worlds)
+              + " |", "|---|" + "---:|" * (2 * len(worlds))]
+    for name, lab, base in (("coupling", CREDIT, INDEPENDENT), ("pair credit", DATA, ALONE)):
+        cells = []
+        for w in worlds:
+            runs = world_runs(w, seeds)
+            g = gains({k: runs[k] for k in (lab, base) if k in runs}, base).get(lab)
+            cells += [f"{g[0]:+.3f} +- {g[1]:.3f} ({g[4]})", f"{g[2]:+.3f} +- {g[3]:.3f}"] if g else ["-", "-"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines), points
 
 
@@ -210,7 +221,7 @@ def plot(points: dict, path: str = ""):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    order = sorted(points, key=lambda w: points[w][0])
+    order = sorted((w for w in points if points[w][1]), key=lambda w: points[w][0])  # the worlds with runs
     names = sorted({lab for w in order for lab in points[w][1]})
     for ax, (k, title) in zip(axes, ((0, "per token: AUC - GRPO's"), (2, "per update: EM - GRPO's"))):
         for lab in names:

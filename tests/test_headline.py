@@ -83,3 +83,22 @@ def test_the_chains_audit_figures_are_the_committed_audit():
     diff, se = res["corr_differences"]["TWICE - independent"]
     assert (f"a coupled twin correlates with A* at {corr['TWICE']} (GRPO {corr['GRPO']}; independent "
             f"{corr['independent']}, {diff:+.3f} +- {se:.3f}), a token fork at {corr['TWICE token']}") in glance()
+
+
+def test_the_credit_suite_figures_are_the_committed_audits_and_summary():
+    """The share of variance coupling removes is 1 - the audits' measured ratio; the luck-high cells are SUMMARY.md's
+    (python -m lab.suite report)."""
+    removed = {}
+    for w in ("chains", "luck-mid", "luck-high", "delay-high"):
+        res = json.load(open(os.path.join(ROOT, "results", "suite", w, "audit", "audit.json")))
+        removed[w] = f"{1 - res['coupling']['measured_ratio']:.2f}"
+    suite = sorted(removed[w] for w in ("luck-mid", "luck-high", "delay-high"))
+    text = glance()
+    assert f"coupling removes {suite[0]}-{suite[-1]} of the independent twin's variance (chains {removed['chains']})" \
+        in text
+    summary = read("results", "suite", "SUMMARY.md")
+    coupling = next(line for line in summary.splitlines() if line.startswith("| coupling |")).split(" | ")
+    credit = next(line for line in summary.splitlines() if line.startswith("| twice-turn-b0.7-w1-cap2 |")).split(" | ")
+    # columns: chains, luck-mid, luck-high, delay-high, each per token then per update
+    assert f"coupled twins gain {coupling[6]} EM per update" in text
+    assert f"TWICE trails GRPO by {credit[5].split(' (')[0]} AUC" in text

@@ -121,3 +121,20 @@ def test_the_summary_and_figure_from_audits_and_runs(tmp_path, monkeypatch):
     assert row.split(" | ")[5:7] == ["+0.145 +- 0.000 (3)", "+0.200 +- 0.000"]
     assert os.path.isfile(tmp_path / "fig.png") and os.path.isfile(tmp_path / "SUMMARY.md")
     assert os.path.isfile(os.path.join(r, "tables.md"))
+
+
+def test_the_committed_summary_and_tables_are_rebuilt_from_the_committed_runs_and_audits(tmp_path, monkeypatch):
+    """results/suite/SUMMARY.md and every world's tables.md are `python -m lab.suite report` of the committed runs,
+    choices and audits alone."""
+    import shutil
+    src = os.path.join(ROOT, "results", "suite")
+    shutil.copytree(src, tmp_path / "suite", ignore=shutil.ignore_patterns("*.png"))
+    monkeypatch.setattr(suite, "RESULTS", str(tmp_path / "suite"))
+    monkeypatch.setattr(suite, "AUDITS", {w: str(tmp_path / "suite" / w / "audit") for w in suite.AUDITS})
+    monkeypatch.setattr(suite, "FIGURE", str(tmp_path / "fig.png"))
+    summary = open(os.path.join(src, "SUMMARY.md")).read()
+    seeds = "all" if "--seeds all" in summary else "dev"
+    assert suite.build_report(seeds) == summary
+    for w in os.listdir(src):
+        if os.path.isfile(os.path.join(src, w, "tables.md")):
+            assert open(tmp_path / "suite" / w / "tables.md").read() == open(os.path.join(src, w, "tables.md")).read()

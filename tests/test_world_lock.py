@@ -91,7 +91,8 @@ def test_the_shipped_worlds_are_the_locked_ones():
 
 
 def test_committed_worlds_rebuild_to_their_digests(tmp_path):
-    """Both presets and a suite world at test scale, each built by `worlds/build.py` in a fresh process (pinned before torch loads), in an
+    """Both presets and a suite world at test scale, each built by `worlds/build.py` in a fresh process (pinned
+    before torch loads), in an
     environment that asks for other kernels and threads: the pins override it, and every file matches worlds.lock."""
     env = {k: v for k, v in os.environ.items() if k != "ALLOW_UNPINNED"}  # a difference must fail the build
     env.update(OMP_NUM_THREADS="2", MKL_CBWR="AVX512", ATEN_CPU_CAPABILITY="avx512", ONEDNN_MAX_CPU_ISA="ALL")
