@@ -151,7 +151,7 @@ benchmark-report: install
 # benchmark's knobs, on the committed suite world SUITE (luck-mid, luck-high, delay-high; chains: the labels its
 # samples set did not run), seeds SUITE_SEEDS = dev (0-2) or all (0-2 and 10-15); finished runs are kept and copied
 # into results/suite/<world>/runs/ (commit them). suite-report rebuilds every world's tables.md,
-# results/suite/SUMMARY.md and figures/suite_gain_vs_rho.png from there and the audits.
+# results/suite/summary.md and figures/suite_gain_vs_rho.png from there and the audits.
 SUITE       ?= luck-high
 SUITE_SEEDS ?= dev
 suite: install

@@ -86,7 +86,7 @@ def test_the_chains_audit_figures_are_the_committed_audit():
 
 
 def test_the_credit_suite_figures_are_the_committed_audits_and_summary():
-    """The share of variance coupling removes is 1 - the audits' measured ratio; the luck-high cells are SUMMARY.md's
+    """The share of variance coupling removes is 1 - the audits' measured ratio; the luck-high cells are summary.md's
     (python -m lab.suite report)."""
     removed = {}
     for w in ("chains", "luck-mid", "luck-high", "delay-high"):
@@ -96,7 +96,7 @@ def test_the_credit_suite_figures_are_the_committed_audits_and_summary():
     text = glance()
     assert f"coupling removes {suite[0]}-{suite[-1]} of the independent twin's variance (chains {removed['chains']})" \
         in text
-    summary = read("results", "suite", "SUMMARY.md")
+    summary = read("results", "suite", "summary.md")
     coupling = next(line for line in summary.splitlines() if line.startswith("| coupling |")).split(" | ")
     credit = next(line for line in summary.splitlines() if line.startswith("| twice-turn-b0.7-w1-cap2 |")).split(" | ")
     # columns: chains, luck-mid, luck-high, delay-high, each per token then per update

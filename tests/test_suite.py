@@ -119,12 +119,12 @@ def test_the_summary_and_figure_from_audits_and_runs(tmp_path, monkeypatch):
     row = next(line for line in text.splitlines() if line.startswith(f"| {suite.DATA} |"))
     # luck-high (the 3rd world): AUC 0.52 against 0.375 over 120k tokens; EM 0.6 against 0.4 after 2 updates
     assert row.split(" | ")[5:7] == ["+0.145 +- 0.000 (3)", "+0.200 +- 0.000"]
-    assert os.path.isfile(tmp_path / "fig.png") and os.path.isfile(tmp_path / "SUMMARY.md")
+    assert os.path.isfile(tmp_path / "fig.png") and os.path.isfile(tmp_path / "summary.md")
     assert os.path.isfile(os.path.join(r, "tables.md"))
 
 
 def test_the_committed_summary_and_tables_are_rebuilt_from_the_committed_runs_and_audits(tmp_path, monkeypatch):
-    """results/suite/SUMMARY.md and every world's tables.md are `python -m lab.suite report` of the committed runs,
+    """results/suite/summary.md and every world's tables.md are `python -m lab.suite report` of the committed runs,
     choices and audits alone."""
     import shutil
     src = os.path.join(ROOT, "results", "suite")
@@ -132,7 +132,7 @@ def test_the_committed_summary_and_tables_are_rebuilt_from_the_committed_runs_an
     monkeypatch.setattr(suite, "RESULTS", str(tmp_path / "suite"))
     monkeypatch.setattr(suite, "AUDITS", {w: str(tmp_path / "suite" / w / "audit") for w in suite.AUDITS})
     monkeypatch.setattr(suite, "FIGURE", str(tmp_path / "fig.png"))
-    summary = open(os.path.join(src, "SUMMARY.md")).read()
+    summary = open(os.path.join(src, "summary.md")).read()
     seeds = "all" if "--seeds all" in summary else "dev"
     assert suite.build_report(seeds) == summary
     for w in os.listdir(src):
