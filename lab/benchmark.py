@@ -412,6 +412,13 @@ def breakeven(runs: dict, base: str = "grpo") -> str:
     return "\n".join(out)
 
 
+def em_after_same_updates(rows: list, base: list) -> tuple:
+    """(EM - the base run's EM after the most updates both made, those updates): each curve interpolated in updates."""
+    mine, theirs = updates_curve(rows), updates_curve(base)
+    n = min(mine[-1][0], theirs[-1][0])
+    return np.interp(n, *zip(*mine)) - np.interp(n, *zip(*theirs)), n
+
+
 def at_updates(runs: dict, base: str) -> str:
     """Markdown: per label, its EM against the base's after the same number of updates, the most
     both made (each curve interpolated in updates, same seed): a per-update comparison, fair when
@@ -422,11 +429,10 @@ def at_updates(runs: dict, base: str) -> str:
     for lab, seeds in runs.items():
         diffs, ns, cs = [], [], []
         for cfg, rows in seeds:
-            b, mine = base_runs.get(cfg["seed"]), updates_curve(rows)
-            if b:  # at the updates both made: each curve interpolated in updates
-                theirs = updates_curve(b)
-                n = min(mine[-1][0], theirs[-1][0])
-                diffs.append(np.interp(n, *zip(*mine)) - np.interp(n, *zip(*theirs)))
+            b = base_runs.get(cfg["seed"])
+            if b:
+                diff, n = em_after_same_updates(rows, b)
+                diffs.append(diff)
                 ns.append(n)
                 cs.append(per_update([(cfg, rows)]) / per_update([(None, b)]))
         if diffs:

@@ -21,7 +21,9 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -94,9 +96,8 @@ def plan(results: str, seeds: tuple) -> list:
 
 def run(world: str, seeds: tuple, jobs: int, scratch: str) -> int:
     """The world's missing runs, in passes: GRPO-matched joins once the runs that fix its G are done."""
-    from concurrent.futures import ThreadPoolExecutor
     results, folder = results_dir(world), world_dir(world)
-    if benchmark.subprocess.run([sys.executable, "-m", "worlds.build", "--verify", folder], cwd=ROOT).returncode:
+    if subprocess.run([sys.executable, "-m", "worlds.build", "--verify", folder], cwd=ROOT).returncode:
         return 1
     while True:
         todo = [(lab, s) for lab, s in plan(results, seeds)
@@ -146,35 +147,40 @@ def world_runs(world: str, seeds: tuple) -> dict:
     return out
 
 
+def se(x: list) -> float:
+    return float(np.std(x, ddof=1) / np.sqrt(len(x))) if len(x) > 1 else float("nan")
+
+
 def gains(runs: dict, against: str = GRPO) -> dict:
     """{label: (per-token gain, its SE, per-update gain, its SE, seeds)}: AUC - the base's (`against`, GRPO) and EM -
-    its EM after the same number of updates (each curve interpolated in updates), paired by seed; SE over seeds."""
+    its EM after the same number of updates (benchmark.em_after_same_updates), paired by seed; SE over seeds."""
     base = {cfg["seed"]: rows for cfg, rows in runs.get(against, [])}
     if not base:
         return {}
     budget = report.shared_budget(runs)
     out = {}
     for lab, seeds in runs.items():
-        tok, upd = [], []
-        for cfg, rows in seeds:
-            b = base.get(cfg["seed"])
-            if lab == against or b is None:
-                continue
-            tok.append(report.auc(report.em_vs_tokens(rows), budget) - report.auc(report.em_vs_tokens(b), budget))
-            mine, theirs = benchmark.updates_curve(rows), benchmark.updates_curve(b)
-            n = min(mine[-1][0], theirs[-1][0])
-            upd.append(np.interp(n, *zip(*mine)) - np.interp(n, *zip(*theirs)))
-        if tok:
-            def se(x):
-                return float(np.std(x, ddof=1) / np.sqrt(len(x))) if len(x) > 1 else float("nan")
+        pairs = [(rows, base[cfg["seed"]]) for cfg, rows in seeds if lab != against and cfg["seed"] in base]
+        if pairs:
+            tok = [report.auc(report.em_vs_tokens(r), budget) - report.auc(report.em_vs_tokens(b), budget)
+                   for r, b in pairs]
+            upd = [benchmark.em_after_same_updates(r, b)[0] for r, b in pairs]
             out[lab] = (float(np.mean(tok)), se(tok), float(np.mean(upd)), se(upd), len(tok))
     return out
+
+
+def gain_cells(g) -> list:
+    """The two cells (per token with its seeds, per update) of a gains() value; "-" for none."""
+    return [f"{g[0]:+.3f} +- {g[1]:.3f} ({g[4]})", f"{g[2]:+.3f} +- {g[3]:.3f}"] if g else ["-", "-"]
 
 
 def summary(seeds_name: str = "dev") -> tuple:
     """Markdown of the coupling and the gains of every world, and {world: (removed variance, gains)}."""
     seeds = seeds_of(seeds_name)
     worlds = ["chains", *SUITE]
+    runs = {w: world_runs(w, seeds) for w in worlds}
+    head = ["| {} | " + " | ".join(f"{w}: per token | {w}: per update" for w in worlds) + " |",
+            "|---|" + "---:|" * (2 * len(worlds))]
     lines = ["| world | luck | delay | decisions (above 0.2) | rho | Var(coupled D) / Var(independent D) | "
              "TWICE wrong-sign / corr | independent | GRPO |", "|---|---:|---|---:|---:|---:|---|---|---|"]
     points = {}
@@ -187,29 +193,24 @@ def summary(seeds_name: str = "dev") -> tuple:
         cells = [f"{100 * c[n][0]:.1f}% / {c[n][1]:.3f} +- {c[n][2]:.3f}" for n in ("TWICE", "independent", "GRPO")]
         lines.append(f"| {w} | {knobs['luck']} | {knobs['delay']} | {c['decisions']} ({c['above']}) | "
                      f"{c['rho']:.3f} | {c['var_ratio']:.3f} | " + " | ".join(cells) + " |")
-        points[w] = (c["removed"], gains(world_runs(w, seeds)))
+        points[w] = (c["removed"], gains(runs[w]))
     lines += ["", f"Gain over GRPO, seeds {', '.join(map(str, seeds))} (paired, mean +- SE; per token: AUC - GRPO's "
-              "at 120k tokens; per update: EM - GRPO's after the same updates):", "",
-              "| method | " + " | ".join(f"{w}: per token | {w}: per update" for w in worlds) + " |",
-              "|---|" + "---:|" * (2 * len(worlds))]
+              "at 120k tokens; per update: EM - GRPO's after the same updates):", "", head[0].format("method"),
+              head[1]]
     for lab in labels({"grpo_matched": "GRPO-matched"})[1:]:
         cells = []
         for w in worlds:
             g = points.get(w, (0, {}))[1]
             key = next((k for k in g if k == lab or (lab == "GRPO-matched" and k.startswith("grpo-g"))), None)
-            cells += [f"{g[key][0]:+.3f} +- {g[key][1]:.3f} ({g[key][4]})", f"{g[key][2]:+.3f} +- {g[key][3]:.3f}"] \
-                if key else ["-", "-"]
+            cells += gain_cells(g.get(key))
         lines.append(f"| {lab} | " + " | ".join(cells) + " |")
-    lines += ["", "What coupling and the pair credit add (paired by seed, the same cells): coupling = TWICE credit only "
-              "against the independent counterfactual at the same knobs; pair credit = twins as rows against the same "
-              "rows at omega 0:", "", "| comparison | " + " | ".join(f"{w}: per token | {w}: per update" for w in worlds)
-              + " |", "|---|" + "---:|" * (2 * len(worlds))]
+    lines += ["", "What coupling and the pair credit add (paired by seed, the same cells): coupling = TWICE credit "
+              "only against the independent counterfactual at the same knobs; pair credit = twins as rows against "
+              "the same rows at omega 0:", "", head[0].format("comparison"), head[1]]
     for name, lab, base in (("coupling", CREDIT, INDEPENDENT), ("pair credit", DATA, ALONE)):
         cells = []
         for w in worlds:
-            runs = world_runs(w, seeds)
-            g = gains({k: runs[k] for k in (lab, base) if k in runs}, base).get(lab)
-            cells += [f"{g[0]:+.3f} +- {g[1]:.3f} ({g[4]})", f"{g[2]:+.3f} +- {g[3]:.3f}"] if g else ["-", "-"]
+            cells += gain_cells(gains({k: runs[w][k] for k in (lab, base) if k in runs[w]}, base).get(lab))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines), points
 
