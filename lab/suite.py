@@ -174,15 +174,41 @@ def gain_cells(g) -> list:
     return [f"{g[0]:+.3f} +- {g[1]:.3f} ({g[4]})", f"{g[2]:+.3f} +- {g[3]:.3f}"] if g else ["-", "-"]
 
 
-def summary(seeds_name: str = "dev") -> tuple:
-    """Markdown of the coupling and the gains of every world, and {world: (removed variance, gains)}."""
-    seeds = seeds_of(seeds_name)
-    worlds = ["chains", *SUITE]
-    runs = {w: world_runs(w, seeds) for w in worlds}
+def gain_tables(runs: dict, seeds: tuple) -> list:
+    """Markdown lines of the gains over GRPO of every method on every world (runs: {world: world_runs}), then of
+    what coupling and the pair credit add, on `seeds`."""
+    worlds = list(runs)
     head = ["| {} | " + " | ".join(f"{w}: per token | {w}: per update" for w in worlds) + " |",
             "|---|" + "---:|" * (2 * len(worlds))]
+    lines = [f"Gain over GRPO, seeds {', '.join(map(str, seeds))} (paired, mean +- SE; per token: AUC - GRPO's "
+             "at 120k tokens; per update: EM - GRPO's after the same updates):", "", head[0].format("method"),
+             head[1]]
+    g = {w: gains(runs[w]) for w in worlds}
+    for lab in labels({"grpo_matched": "GRPO-matched"})[1:]:
+        cells = []
+        for w in worlds:
+            key = next((k for k in g[w] if k == lab or (lab == "GRPO-matched" and k.startswith("grpo-g"))), None)
+            cells += gain_cells(g[w].get(key))
+        lines.append(f"| {lab} | " + " | ".join(cells) + " |")
+    lines += ["", "What coupling and the pair credit add (paired by seed, the same cells): coupling = TWICE credit "
+              "only against the independent counterfactual at the same knobs; pair credit = twins as rows against "
+              "the same rows at omega 0:", "", head[0].format("comparison"), head[1]]
+    for name, lab, base in (("coupling", CREDIT, INDEPENDENT), ("pair credit", DATA, ALONE)):
+        cells = []
+        for w in worlds:
+            cells += gain_cells(gains({k: runs[w][k] for k in (lab, base) if k in runs[w]}, base).get(lab))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def summary(seeds_name: str = "dev") -> tuple:
+    """Markdown of the coupling and the gains of every world on the development seeds (and, with `all`, on the
+    held-out seeds apart), and {world: (removed variance, development-seed gains)} for the figure."""
+    seeds_of(seeds_name)
+    worlds = ["chains", *SUITE]
     lines = ["| world | luck | delay | decisions (above 0.2) | rho | Var(coupled D) / Var(independent D) | "
              "TWICE wrong-sign / corr | independent | GRPO |", "|---|---:|---|---:|---:|---:|---|---|---|"]
+    dev = {w: world_runs(w, benchmark.DEV_SEEDS) for w in worlds}
     points = {}
     for w in worlds:
         knobs = SUITE.get(w, {"luck": 0.12, "delay": "last"})
@@ -193,25 +219,11 @@ def summary(seeds_name: str = "dev") -> tuple:
         cells = [f"{100 * c[n][0]:.1f}% / {c[n][1]:.3f} +- {c[n][2]:.3f}" for n in ("TWICE", "independent", "GRPO")]
         lines.append(f"| {w} | {knobs['luck']} | {knobs['delay']} | {c['decisions']} ({c['above']}) | "
                      f"{c['rho']:.3f} | {c['var_ratio']:.3f} | " + " | ".join(cells) + " |")
-        points[w] = (c["removed"], gains(runs[w]))
-    lines += ["", f"Gain over GRPO, seeds {', '.join(map(str, seeds))} (paired, mean +- SE; per token: AUC - GRPO's "
-              "at 120k tokens; per update: EM - GRPO's after the same updates):", "", head[0].format("method"),
-              head[1]]
-    for lab in labels({"grpo_matched": "GRPO-matched"})[1:]:
-        cells = []
-        for w in worlds:
-            g = points.get(w, (0, {}))[1]
-            key = next((k for k in g if k == lab or (lab == "GRPO-matched" and k.startswith("grpo-g"))), None)
-            cells += gain_cells(g.get(key))
-        lines.append(f"| {lab} | " + " | ".join(cells) + " |")
-    lines += ["", "What coupling and the pair credit add (paired by seed, the same cells): coupling = TWICE credit "
-              "only against the independent counterfactual at the same knobs; pair credit = twins as rows against "
-              "the same rows at omega 0:", "", head[0].format("comparison"), head[1]]
-    for name, lab, base in (("coupling", CREDIT, INDEPENDENT), ("pair credit", DATA, ALONE)):
-        cells = []
-        for w in worlds:
-            cells += gain_cells(gains({k: runs[w][k] for k in (lab, base) if k in runs[w]}, base).get(lab))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        points[w] = (c["removed"], gains(dev[w]))
+    lines += ["", *gain_tables(dev, benchmark.DEV_SEEDS)]
+    if seeds_name == "all":  # the held-out seeds apart: nothing was chosen on them
+        lines += ["", *gain_tables({w: world_runs(w, benchmark.HELDOUT_SEEDS) for w in worlds},
+                                   benchmark.HELDOUT_SEEDS)]
     return "\n".join(lines), points
 
 

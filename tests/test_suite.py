@@ -121,6 +121,17 @@ def test_the_summary_and_figure_from_audits_and_runs(tmp_path, monkeypatch):
     assert row.split(" | ")[5:7] == ["+0.145 +- 0.000 (3)", "+0.200 +- 0.000"]
     assert os.path.isfile(tmp_path / "fig.png") and os.path.isfile(tmp_path / "summary.md")
     assert os.path.isfile(os.path.join(r, "tables.md"))
+    assert "seeds 10, 11" not in text
+    # held-out seeds: reported apart from the development seeds, never pooled with them (EM 0.2 flat: AUC 0.2)
+    for s in bm.HELDOUT_SEEDS[:2]:
+        fake(r, suite.GRPO, s, [0.2, 0.3, 0.4], 10000)
+        fake(r, suite.DATA, s, [0.2, 0.2, 0.2], 16000)
+    text = suite.build_report("all")
+    dev, held = text.split("Gain over GRPO, seeds 10, 11, 12, 13, 14, 15")
+    row = next(line for line in dev.splitlines() if line.startswith(f"| {suite.DATA} |"))
+    assert row.split(" | ")[5:7] == ["+0.145 +- 0.000 (3)", "+0.200 +- 0.000"]
+    row = next(line for line in held.splitlines() if line.startswith(f"| {suite.DATA} |"))
+    assert row.split(" | ")[5:7] == ["-0.175 +- 0.000 (2)", "-0.200 +- 0.000"]
 
 
 def test_the_committed_summary_and_tables_are_rebuilt_from_the_committed_runs_and_audits(tmp_path, monkeypatch):
