@@ -175,6 +175,26 @@ def test_stop_calibration_covers_every_decision_position(world_dir, built, capsy
         assert row["script"] == script[key.split("/")[1].split("@")[0]]
 
 
+def test_calibration_of_a_trained_policy(world_dir, tmp_path, capsys):
+    """`--calibration WORLD --policy DIR` reads DIR's policy on WORLD's episodes: the world's own policy gives the warm
+    start's calibration, changed weights give other probabilities; --policy alone is refused."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    warm = world_chains.stop_calibration(world_dir, seed=SEED)
+    same = shutil.copytree(os.path.join(world_dir, "policy"), tmp_path / "same")
+    assert world_chains.stop_calibration(world_dir, seed=SEED, policy=str(same)) == warm
+    other = shutil.copytree(same, tmp_path / "other")
+    weights = load_file(str(other / "model.safetensors"))
+    weights = {k: v * 0.5 if v.dim() == 2 else v for k, v in weights.items()}  # a different policy, same shapes
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    world.main(["--calibration", world_dir, "--policy", str(other), "--seed", str(SEED)])
+    out = capsys.readouterr().out
+    changed = json.loads(out[out.find("{"):])
+    assert set(changed) == set(warm) and changed != warm
+    with pytest.raises(SystemExit):
+        world.main(["--policy", str(other)])
+
+
 def suite_world(built, name):
     return {**built["world"], "preset": name, "suite": world_chains.SUITE[name],
             "probs": world_chains.suite_probs(**world_chains.SUITE[name])}

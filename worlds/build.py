@@ -35,6 +35,7 @@ Launch:
   python -m worlds.build --out /tmp/tw --seed 0 --scale test --force   # small world for the test suite
   python -m worlds.build --out data/chains --preset chains --seed 0    # the chains world, ~10 min on one thread
   python -m worlds.build --calibration data/chains                     # a built chains world's stop calibration
+  python -m worlds.build --calibration data/chains --policy RUN/step_N/policy   # ... of a trained checkpoint
   python -m worlds.build --verify data/chains                          # compare a built world with worlds.lock
 
 Every build runs on pinned numerics (infra/numerics.py, imported first) and is compared with its
@@ -480,6 +481,8 @@ def main(argv=None):
     parser.add_argument(
         "--calibration", metavar="WORLD", help="print a built chains world's stop calibration "
         "(world_chains.stop_calibration) and exit")
+    parser.add_argument("--policy", metavar="DIR", help="with --calibration: calibrate this policy folder (a trained "
+                        "checkpoint's step_N/policy) on the world instead of its warm start")
     parser.add_argument(
         "--verify", metavar="WORLD",
         help="compare a built world with its worlds.lock entry and exit "
@@ -498,8 +501,11 @@ def main(argv=None):
     }), default="full", help="full world, or a small one for tests")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     args = parser.parse_args(argv)
+    if args.policy and not args.calibration:
+        parser.error("--policy goes with --calibration WORLD")
     if args.calibration:
-        print(json.dumps(world_chains.stop_calibration(args.calibration, seed=args.seed), indent=1))
+        cal = world_chains.stop_calibration(args.calibration, seed=args.seed, policy=args.policy or "")
+        print(json.dumps(cal, indent=1))
         return
     if args.verify:
         return verify(args.verify)

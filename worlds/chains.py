@@ -494,11 +494,13 @@ def chains_stats(model, tok, retr, world, split, top, demos, seed, sc, times):
     }
 
 
-def stop_calibration(world_dir: str, split: str = "test", seed: int = 0) -> dict:
+def stop_calibration(world_dir: str, split: str = "test", seed: int = 0, policy: str = "") -> dict:
     """How well a chains (or suite) world's warm start learned its scripts, teacher-forced on scripted perfect
     episodes: P(So) / (P(So) + P(Next)) at each decision word, by position (hops, kind), against the scripts'
     probability of stopping there; and at the last read (`{hops}hop/read_last`), P(the right value) and P(the
-    misread one) against the scripts' probability of reading right (1 - P(right) is the luck the world realises)."""
+    misread one) against the scripts' probability of reading right (1 - P(right) is the luck the world realises).
+    `policy`: another policy folder on the same world (a trained checkpoint's `policy`), to see what training left
+    of the warm start's stops and luck."""
     import torch
     import retriever
     from eval import load_policy
@@ -508,7 +510,7 @@ def stop_calibration(world_dir: str, split: str = "test", seed: int = 0) -> dict
         raise ValueError(
             f"{world_dir}/world.json: not a chains world (preset {world.get('preset')!r})")
     table = world.get("probs", CHAIN_PROBS)
-    model, tok = load_policy(os.path.join(world_dir, "policy"))
+    model, tok = load_policy(policy or os.path.join(world_dir, "policy"))
     retr = retriever.Retriever(os.path.join(world_dir, "index"))
     top = dict(zip(entity_names(world), retr.search(entity_names(world), topk=TOPK)))
     so, nxt = tok.convert_tokens_to_ids("\u0120So"), tok.convert_tokens_to_ids("\u0120Next")
