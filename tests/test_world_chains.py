@@ -57,7 +57,7 @@ def test_test_subjects_never_in_train_questions(built):
 def test_every_chain_is_reachable_by_searching_entity_names(built):
     """Searching each link's name retrieves its own document at rank 1, which states the next link; the last link
     is the gold answer, and no answer or bridge is named in the question."""
-    world, top = built["world"], built["top"]
+    top = built["top"]
     for r in built["rows"]["train"] + built["rows"]["test"]:
         name, chain = r["metadata"]["subject"], r["metadata"]["chain"]
         assert len(chain) == r["metadata"]["hops"] and chain[-1] == r["golden_answers"][0]
