@@ -87,7 +87,7 @@ def test_the_chains_audit_figures_are_the_committed_audit():
 
 def test_the_credit_suite_figures_are_the_committed_audits_and_summary():
     """The share of variance coupling removes is 1 - the audits' measured ratio; the luck-high cells are summary.md's
-    (python -m lab.suite report)."""
+    (python -m lab.suite report --seeds all), from its last tables: the held-out seeds'."""
     removed = {}
     for w in ("chains", "luck-mid", "luck-high", "delay-high"):
         res = json.load(open(os.path.join(ROOT, "results", "suite", w, "audit", "audit.json")))
@@ -97,8 +97,9 @@ def test_the_credit_suite_figures_are_the_committed_audits_and_summary():
     assert f"coupling removes {suite[0]}-{suite[-1]} of the independent twin's variance (chains {removed['chains']})" \
         in text
     summary = read("results", "suite", "summary.md")
-    coupling = next(line for line in summary.splitlines() if line.startswith("| coupling |")).split(" | ")
-    credit = next(line for line in summary.splitlines() if line.startswith("| twice-turn-b0.7-w1-cap2 |")).split(" | ")
+    assert "Gain over GRPO, seeds 10, 11, 12, 13, 14, 15" in summary
+    coupling = [line for line in summary.splitlines() if line.startswith("| coupling |")][-1].split(" | ")
+    credit = [line for line in summary.splitlines() if line.startswith("| twice-turn-b0.7-w1-cap2 |")][-1].split(" | ")
     # columns: chains, luck-mid, luck-high, delay-high, each per token then per update
     assert f"coupled twins gain {coupling[6]} EM per update" in text
     assert f"TWICE trails GRPO by {credit[5].split(' (')[0]} AUC" in text
