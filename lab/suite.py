@@ -233,7 +233,10 @@ def plot(points: dict, path: str = ""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    # GRPO-matched's G differs between worlds (9, 8): one line
+    points = {w: (x, {"GRPO-matched" if k.startswith("grpo-g") else k: v for k, v in g.items()})
+              for w, (x, g) in points.items()}
     order = sorted((w for w in points if points[w][1]), key=lambda w: points[w][0])  # the worlds with runs
     names = sorted({lab for w in order for lab in points[w][1]})
     for ax, (k, title) in zip(axes, ((0, "per token: AUC - GRPO's"), (2, "per update: EM - GRPO's"))):
@@ -247,7 +250,7 @@ def plot(points: dict, path: str = ""):
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xlabel("1 - Var(coupled D) / Var(independent D) (audit)")
         ax.set_title(title)
-    axes[1].legend(fontsize=7, loc="best")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path = path or FIGURE
     os.makedirs(os.path.dirname(path), exist_ok=True)
