@@ -169,26 +169,28 @@ def gains(runs: dict, against: str = GRPO) -> dict:
     return out
 
 
+def method(label: str) -> str:
+    """A label as the summary and figure name it: GRPO-matched whatever its G (9 on one world, 8 on another)."""
+    return "GRPO-matched" if label.startswith("grpo-g") else label
+
+
 def gain_cells(g) -> list:
     """The two cells (per token with its seeds, per update) of a gains() value; "-" for none."""
     return [f"{g[0]:+.3f} +- {g[1]:.3f} ({g[4]})", f"{g[2]:+.3f} +- {g[3]:.3f}"] if g else ["-", "-"]
 
 
-def gain_tables(runs: dict, seeds: tuple) -> list:
+def gain_tables(runs: dict, seeds: tuple) -> tuple:
     """Markdown lines of the gains over GRPO of every method on every world (runs: {world: world_runs}), then of
-    what coupling and the pair credit add, on `seeds`."""
+    what coupling and the pair credit add, on `seeds`; and the gains, {world: {method: gains() value}}."""
     worlds = list(runs)
     head = ["| {} | " + " | ".join(f"{w}: per token | {w}: per update" for w in worlds) + " |",
             "|---|" + "---:|" * (2 * len(worlds))]
     lines = [f"Gain over GRPO, seeds {', '.join(map(str, seeds))} (paired, mean +- SE; per token: AUC - GRPO's "
              "at 120k tokens; per update: EM - GRPO's after the same updates):", "", head[0].format("method"),
              head[1]]
-    g = {w: gains(runs[w]) for w in worlds}
+    g = {w: {method(k): v for k, v in gains(runs[w]).items()} for w in worlds}
     for lab in labels({"grpo_matched": "GRPO-matched"})[1:]:
-        cells = []
-        for w in worlds:
-            key = next((k for k in g[w] if k == lab or (lab == "GRPO-matched" and k.startswith("grpo-g"))), None)
-            cells += gain_cells(g[w].get(key))
+        cells = [c for w in worlds for c in gain_cells(g[w].get(lab))]
         lines.append(f"| {lab} | " + " | ".join(cells) + " |")
     lines += ["", "What coupling and the pair credit add (paired by seed, the same cells): coupling = TWICE credit "
               "only against the independent counterfactual at the same knobs; pair credit = twins as rows against "
@@ -198,17 +200,17 @@ def gain_tables(runs: dict, seeds: tuple) -> list:
         for w in worlds:
             cells += gain_cells(gains({k: runs[w][k] for k in (lab, base) if k in runs[w]}, base).get(lab))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
+    return lines, g
 
 
 def summary(seeds_name: str = "dev") -> tuple:
     """Markdown of the coupling and the gains of every world on the development seeds (and, with `all`, on the
     held-out seeds apart), and {world: (removed variance, development-seed gains)} for the figure."""
-    seeds_of(seeds_name)
+    seeds_of(seeds_name)  # dev or all, else a clear error
     worlds = ["chains", *SUITE]
     lines = ["| world | luck | delay | decisions (above 0.2) | rho | Var(coupled D) / Var(independent D) | "
              "TWICE wrong-sign / corr | independent | GRPO |", "|---|---:|---|---:|---:|---:|---|---|---|"]
-    dev = {w: world_runs(w, benchmark.DEV_SEEDS) for w in worlds}
+    dev_lines, dev_gains = gain_tables({w: world_runs(w, benchmark.DEV_SEEDS) for w in worlds}, benchmark.DEV_SEEDS)
     points = {}
     for w in worlds:
         knobs = SUITE.get(w, {"luck": 0.12, "delay": "last"})
@@ -219,11 +221,11 @@ def summary(seeds_name: str = "dev") -> tuple:
         cells = [f"{100 * c[n][0]:.1f}% / {c[n][1]:.3f} +- {c[n][2]:.3f}" for n in ("TWICE", "independent", "GRPO")]
         lines.append(f"| {w} | {knobs['luck']} | {knobs['delay']} | {c['decisions']} ({c['above']}) | "
                      f"{c['rho']:.3f} | {c['var_ratio']:.3f} | " + " | ".join(cells) + " |")
-        points[w] = (c["removed"], gains(dev[w]))
-    lines += ["", *gain_tables(dev, benchmark.DEV_SEEDS)]
+        points[w] = (c["removed"], dev_gains[w])
+    lines += ["", *dev_lines]
     if seeds_name == "all":  # the held-out seeds apart: nothing was chosen on them
         lines += ["", *gain_tables({w: world_runs(w, benchmark.HELDOUT_SEEDS) for w in worlds},
-                                   benchmark.HELDOUT_SEEDS)]
+                                   benchmark.HELDOUT_SEEDS)[0]]
     return "\n".join(lines), points
 
 
@@ -234,9 +236,6 @@ def plot(points: dict, path: str = ""):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
-    # GRPO-matched's G differs between worlds (9, 8): one line
-    points = {w: (x, {"GRPO-matched" if k.startswith("grpo-g") else k: v for k, v in g.items()})
-              for w, (x, g) in points.items()}
     order = sorted((w for w in points if points[w][1]), key=lambda w: points[w][0])  # the worlds with runs
     names = sorted({lab for w in order for lab in points[w][1]})
     for ax, (k, title) in zip(axes, ((0, "per token: AUC - GRPO's"), (2, "per update: EM - GRPO's"))):
