@@ -88,6 +88,7 @@ from tqdm import tqdm
 from lab import audit_methods
 from lab.audit_scores import corr_differences, coupling_stats, oracle_summary, score, targets
 from methods import baselines
+from methods import oracle as oracle_arm
 from infra import config
 import credit
 import eval as qa_eval
@@ -238,14 +239,9 @@ def collect(model, tok, retr, rows, cfg, proto):
 def oracle(model, tok, retr, episodes, decisions, cfg, proto) -> dict:
     """A* = Q - V from M fresh rollouts per side, its SE, Q, V and the oracle's tokens, each (N,).
     """
-    M = cfg.oracle_rollouts
-    reqs = [(episodes[i], t, inc, sampler.fresh_key(episodes[i].key, tag, t, k))
-            for i, t in decisions
-            for inc, tag in ((True, sampler.MC_Q_TAG), (False, sampler.MC_V_TAG)) for k in range(M)]
-    x = outcomes(model, tok, retr, reqs, cfg, proto, "oracle").reshape(len(decisions), 2, M, 2)
-    q, v = x[:, 0, :, 0], x[:, 1, :, 0]
-    return {"a": q.mean(1) - v.mean(1), "se": np.sqrt(q.var(1, ddof=1) / M + v.var(1, ddof=1) / M),
-            "q": q.mean(1), "v": v.mean(1), "tokens": x[..., 1].sum((1, 2))}
+    reqs = oracle_arm.requests(episodes, decisions, cfg.oracle_rollouts)  # the oracle arm's keys
+    x = outcomes(model, tok, retr, reqs, cfg, proto, "oracle")
+    return oracle_arm.estimates(x, len(decisions), cfg.oracle_rollouts)
 
 
 def reroll(model, tok, retr, episodes, decisions, cfg, proto) -> list:

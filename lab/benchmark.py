@@ -110,6 +110,11 @@ def flags(label: str) -> list:
                 as_run = ["--twin_scale=rms", f"--twin_cap={float(parts[3][3:])}"]
             return out + ["--method=independent", f"--twin_budget={float(parts[1][1:])}",
                           f"--omega={float(parts[2][1:])}"] + as_run
+        if parts[0] == "oracle" and len(parts) in (2, 3):  # "oracle-mM[-traj]": the ceiling (methods/oracle.py)
+            if len(parts) == 3 and parts[2] != "traj" or not parts[1].startswith("m"):
+                raise ValueError(unreadable)
+            return out + ["--method=oracle", f"--oracle_rollouts={int(parts[1][1:])}",
+                          f"--oracle_traj={str(len(parts) == 3).lower()}", "--twin_cap=2"]
         if parts[0] == "vineppo" and len(parts) == 2:
             return out + ["--method=vineppo", f"--vine_k={int(parts[1][1:])}"]
         if len(parts) == 1 and name in OTHERS:

@@ -3,20 +3,21 @@
 Every method gives train_step its rollout and its advantages through one hook, `twice.Method`
 (GRPO). TWICE is twice.Twice; its textbook ablation, the independent counterfactual, and the
 rollout-based baselines are baselines.py's; the learned estimators (PPO's critic, SPA-RL, AgentPRM)
-are learned.py's.
+are learned.py's; oracle.py is the ceiling (exact credit by Monte Carlo), no method to run.
 """
 from dataclasses import dataclass
 
 import twice
 from methods import baselines
 from methods import learned
+from methods import oracle
 
 TWIN_METHODS = ("twice", "independent")  # credited by twice.twin_credit (steps 2-6)
 METHODS = {"grpo": twice.Method, "twice": twice.Twice, "independent": baselines.Independent,
            "vineppo": baselines.VinePPO, "gigpo": baselines.GiGPO, "hgpo": baselines.HGPO,
            "arpo": baselines.ARPO, "tree_grpo": baselines.TreeGRPO, "ppo": learned.PPO,
            "igpo": baselines.IGPO, "spa_rl": learned.SPARL, "agentprm": learned.AgentPRM,
-           "craft": baselines.CRAFT}
+           "craft": baselines.CRAFT, "oracle": oracle.Oracle}
 NAMES = tuple(METHODS)
 # the learned estimators copy the policy's body
 LEARNED = tuple(name for name, cls in METHODS.items() if issubclass(cls, learned._Learned))
@@ -43,6 +44,8 @@ class BaselineConfig:
     spa_beta: float = 0.1           # spa_rl: weight of the grounding reward g_t (progress: 1)
     prm_rollouts: int = 1           # agentprm: MC continuations per non-final decision
     craft_beta: float = 1.0         # craft: inverse temperature of the sibling weights exp(beta g)
+    oracle_rollouts: int = 32       # oracle: M MC rollouts per side of A* = Q - V (SE <= sqrt(0.5 / M))
+    oracle_traj: bool = False       # oracle: A_traj + omega A* / sigma_hat (TWICE, A_hat = A*), not A* alone
 
     def baseline_checks(self) -> list:
         """(field, ok, rule) of the knobs the chosen method reads, and only those: a knob no method
@@ -52,14 +55,17 @@ class BaselineConfig:
                    "arpo_initial": ("arpo",), "arpo_beam": ("arpo",), "tree_m": ("tree_grpo",),
                    "tree_l": ("tree_grpo",), "gamma": ("ppo", "igpo", "spa_rl", "agentprm"),
                    "gae_lambda": ("ppo",), "estimator_lr_scale": ("ppo", "spa_rl", "agentprm"),
-                   "spa_beta": ("spa_rl",), "prm_rollouts": ("agentprm",), "craft_beta": ("craft",)}
+                   "spa_beta": ("spa_rl",), "prm_rollouts": ("agentprm",), "craft_beta": ("craft",),
+                   "oracle_rollouts": ("oracle",), "twin_scale": ("oracle",)}
         at_least = {"vine_k": 1, "hgpo_k": 0, "arpo_beam": 1, "tree_m": 1, "tree_l": 1,
-                    "estimator_lr_scale": 0, "spa_beta": 0, "prm_rollouts": 0, "craft_beta": 0}
+                    "estimator_lr_scale": 0, "spa_beta": 0, "prm_rollouts": 0, "craft_beta": 0,
+                    "oracle_rollouts": 2}
         checks = ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                   [(k, 0 < getattr(self, k) <= 1, "in (0, 1]")
                    for k in ("step_gamma", "arpo_initial", "gamma")] +
                   [("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
-                   ("tree_m", self.tree_m <= self.group_size, "<= group_size")])
+                   ("tree_m", self.tree_m <= self.group_size, "<= group_size"),
+                   ("twin_scale", self.twin_scale == "rms", "'rms': the oracle scales A* by its RMS")])
         return [c for c in checks if self.method in read_by[c[0]]]
 
 
