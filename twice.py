@@ -115,9 +115,9 @@ class Twice(Method):
     name = "twice"
     autocast = False  # twins are sampled from the sampling copy, outside any autocast
 
-    def advantages(self, run, step, episodes, batch, proto) -> tuple:
+    def advantages(self, run, step, episodes, batch, proto, draw: int = 0) -> tuple:
         unit = token_twin_credit if self.cfg.twin_unit == "token" else twin_credit
-        return unit(self.cfg, run, step, episodes, batch, proto)
+        return unit(self.cfg, run, step, episodes, batch, proto, draw)
 
     def step_stats(self, accel, stats: dict, factual_tokens: int) -> dict:
         """The twin counters over ranks; the predictor's scores (the same on every rank)."""
@@ -130,17 +130,19 @@ class Twice(Method):
 # ---------------------------------------------------------------------------------------------
 # Steps 2-6, the turn unit (the paper's)
 
-def twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
+def twin_credit(cfg, run, step: int, episodes, batch, proto, draw: int = 0) -> tuple:
     """Steps 2-6: (B, L) token advantages A = A_traj + omega A_hat / sigma_hat, and the counters
-    (with twin_data the twins' rows join the batch: stats["batch"], data_rows)."""
+    (with twin_data the twins' rows join the batch: stats["batch"], data_rows). draw > 0 redraws
+    the credit's own randomness (branch draws, y') for the same episodes: the gradient audit's
+    replicates (lab/gradaudit.py); training uses draw 0."""
     # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
     a_traj = run.method.trajectory_advantages(episodes)
     decisions = decision_table(cfg, episodes)
     # 3. Budget rule: q_t from the predicted discordance p_t and the cost c_t; keyed branch draws.
     p = run.predictor.predict(decisions.features)
-    budget, branched, _ = branch(cfg, step, episodes, decisions, p, decisions.cost)
+    budget, branched, _ = branch(cfg, step, episodes, decisions, p, decisions.cost, draw)
     # 4. Twins of the branched decisions: y' at turn t, then the factual keys (same luck).
-    pairs, twins, diffs = roll_twins(cfg, run, episodes, decisions, branched, proto)
+    pairs, twins, diffs = roll_twins(cfg, run, episodes, decisions, branched, proto, draw=draw)
     # 5. Horvitz-Thompson credit A_hat = 1[branched] mean_j D^j / q_t (with control_variate:
     #    g_t + 1[branched] (D - g_t) / q_t, g_t = (2U - 1) p_t); the predictor learns from every
     #    twin of the batch (scored first: AUC, Brier).
@@ -171,21 +173,22 @@ def twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
     return adv, {**out, "twin_adv": adv - traj}
 
 
-def token_twin_credit(cfg, run, step: int, episodes, batch, proto) -> tuple:
+def token_twin_credit(cfg, run, step: int, episodes, batch, proto, draw: int = 0) -> tuple:
     """Steps 2-6 with twin_unit = token (forks.py): each branched turn forks at one token k ~ r_t,
-    and that token alone carries the twin term; the turn's other tokens carry A_traj."""
+    and that token alone carries the twin term; the turn's other tokens carry A_traj (draw: as
+    twin_credit's)."""
     a_traj = run.method.trajectory_advantages(episodes)
     decisions = decision_table(cfg, episodes)
     # DEVIATION F1: a fork at one token k ~ r_t of the turn, not the whole turn re-sampled
     table = forks.token_table(episodes, decisions, run.tok)
     law = forks.fork_law(table, run.token_predictor.predict(table.features), cfg.fork_floor)
-    budget, branched, keys = branch(cfg, step, episodes, decisions, law.p, law.cost)
+    budget, branched, keys = branch(cfg, step, episodes, decisions, law.p, law.cost, draw)
     row = table.offsets[:-1].copy()  # each branched decision's fork token, as a row of the table
     for n in np.flatnonzero(branched):
         lo, hi = table.offsets[n], table.offsets[n + 1]
         row[n] = lo + forks.draw_fork(law.r[lo:hi], forks.fork_uniform(*keys[n]))
     pairs, twins, diffs = roll_twins(cfg, run, episodes, decisions, branched, proto,
-                                     forks_at=row - table.offsets[:-1])
+                                     forks_at=row - table.offsets[:-1], draw=draw)
     a_flat = forks.fork_credit(diffs, branched, budget.q, law.r[row], table.pi[row])
     # DEVIATION F1: the token predictor learns from the fork tokens the law drew
     # (no importance weights)
@@ -218,24 +221,29 @@ def decision_table(cfg, episodes) -> "rollout.Decisions":
     return rollout.decision_table(episodes, group_success, getattr(cfg, "twin_from_turn", 0))
 
 
-def branch(cfg, step: int, episodes, decisions, p, cost) -> tuple:
+def branch(cfg, step: int, episodes, decisions, p, cost, draw: int = 0) -> tuple:
     """Step 3: (budget, branched mask, branch keys). q_t = clip(lambda sqrt(p_t / c_t), q_min, 1),
     lambda solved so that sum q_t c_t = twin_budget x factual tokens; decision t branches iff its
-    keyed uniform < q_t."""
+    keyed uniform < q_t (draw > 0: the key gains the draw, an independent uniform)."""
     factual_tokens = sum(ep.n_generated for ep in episodes)
     # DEVIATION T1: lambda is solved over this rank's decisions (its share of the budget)
     budget = credit.solve_budget(p, cost, cfg.twin_budget * factual_tokens, cfg.q_min,
                                  cfg.budget_rule)
-    keys = [(cfg.seed, step, episodes[i].uid, episodes[i].line, t) for i, t in decisions.index]
+    keys = [(cfg.seed, step, episodes[i].uid, episodes[i].line, t) + ((draw,) if draw else ())
+            for i, t in decisions.index]
     draws = np.array([sampler.branch_uniform(*key) for key in keys])
     return budget, credit.branch_mask(budget.q, draws), keys
 
 
-def roll_twins(cfg, run, episodes, decisions, branched, proto, forks_at=None) -> tuple:
+def roll_twins(cfg, run, episodes, decisions, branched, proto, forks_at=None,
+               draw: int = 0) -> tuple:
     """Step 4: twins_per_decision twins of each branched decision, y' at turn t (or at its fork
-    token), then the factual keys. Returns (pairs (decision, j), twins, D per decision)."""
-    pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(cfg.twins_per_decision)]
-    requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j) for n, j in pairs]
+    token), then the factual keys. Returns (pairs (decision, j), twins, D per decision). draw > 0
+    takes the twins j of a later draw (alt_key(key, t, j + draw x twins_per_decision))."""
+    K = cfg.twins_per_decision
+    pairs = [(n, j) for n in np.flatnonzero(branched) for j in range(K)]
+    requests = [(episodes[decisions.index[n][0]], decisions.index[n][1], j + draw * K)
+                for n, j in pairs]
     ks = None if forks_at is None else [int(forks_at[n]) for n, _ in pairs]
     # memory: the other caches die before any twin runs
     branching = {id(ep) for ep, _, _ in requests}

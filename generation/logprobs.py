@@ -193,14 +193,14 @@ def token_logprobs_rows(model, rows: list, pad_id: int, micro: int,
     return out
 
 
-def gradient_share(model, batch, part, whole, temperature, micro_batch_size) -> float:
-    """||g(part)|| / ||g(whole)||, g(a) = grad of the policy-gradient loss -sum_k a_k w_k log pi(x_k)
-    over the batch (w the loss mask's weights), the PPO surrogate's gradient at ratio 1: how much of
-    the update an advantage part carries (the twin term in A = A_traj + twin term). (B, L-1)
-    advantages; two more backward passes over the batch and two gradient buffers of the trained
-    weights, no .grad touched (a diagnostic: the presets of real models turn it off)."""
+def policy_gradients(model, batch, advantages, temperature, micro_batch_size) -> list:
+    """Per (B, L-1) advantage tensor a of `advantages`, the flat gradient of the policy-gradient
+    loss -sum_k a_k w_k log pi(x_k) over the batch (w the loss mask's weights): the PPO surrogate's
+    gradient at ratio 1, a token sum (divide by sum w for the token mean). One forward per
+    micro-batch serves every advantage; .grad is not touched. float32 vectors over the trained
+    weights, in model.parameters() order."""
     params = [p for p in model.parameters() if p.requires_grad]
-    sums = [[torch.zeros_like(p, dtype=torch.float32) for p in params] for _ in range(2)]
+    sums = [[torch.zeros_like(p, dtype=torch.float32) for p in params] for _ in advantages]
     weight = batch["loss_mask"][:, 1:].float()
     n = batch["input_ids"].shape[0]
     lengths = batch["attention_mask"].sum(1).cpu().numpy()
@@ -208,11 +208,20 @@ def gradient_share(model, batch, part, whole, temperature, micro_batch_size) -> 
         mb, w = trimmed(batch, rows)
         lp, _ = token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, False,
                                mb["loss_mask"][:, 1:].bool())
-        for acc, adv in zip(sums, (part, whole)):
+        for acc, adv in zip(sums, advantages):
             loss = -(adv[rows, :w - 1] * weight[rows, :w - 1] * lp).sum()
             for a, g in zip(acc, torch.autograd.grad(loss, params, retain_graph=True,
                                                      allow_unused=True)):
                 if g is not None:
                     a += g.float()
-    norms = [torch.sqrt(sum((g * g).sum() for g in acc)) for acc in sums]
-    return float(norms[0] / norms[1]) if float(norms[1]) > 0 else 0.0
+    return [torch.cat([g.reshape(-1) for g in acc]) for acc in sums]
+
+
+def gradient_share(model, batch, part, whole, temperature, micro_batch_size) -> float:
+    """||g(part)|| / ||g(whole)|| (policy_gradients): how much of the update an advantage part
+    carries (the twin term in A = A_traj + twin term). (B, L-1) advantages; two more backward
+    passes over the batch and two gradient buffers of the trained weights (a diagnostic: the
+    presets of real models turn it off)."""
+    g_part, g_whole = policy_gradients(model, batch, (part, whole), temperature, micro_batch_size)
+    norm = float(torch.linalg.vector_norm(g_whole))
+    return float(torch.linalg.vector_norm(g_part)) / norm if norm > 0 else 0.0

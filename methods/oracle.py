@@ -31,12 +31,12 @@ import sampler
 from twice import Method, gather_list
 
 
-def requests(episodes, decisions, M: int) -> list:
+def requests(episodes, decisions, M: int, first: int = 0) -> list:
     """continue_from's requests of A*: per decision (episode index, turn), M from just after y_t
-    (Q), then M from s_t (V), decision-major."""
+    (Q), then M from s_t (V), decision-major; rollouts k = first, ..., first + M - 1."""
     return [(episodes[i], t, inc, sampler.fresh_key(episodes[i].key, tag, t, k))
-            for i, t in decisions
-            for inc, tag in ((True, sampler.MC_Q_TAG), (False, sampler.MC_V_TAG)) for k in range(M)]
+            for i, t in decisions for inc, tag in ((True, sampler.MC_Q_TAG), (False, sampler.MC_V_TAG))
+            for k in range(first, first + M)]
 
 
 def estimates(x, n: int, M: int) -> dict:
@@ -48,10 +48,11 @@ def estimates(x, n: int, M: int) -> dict:
             "q": q.mean(1), "v": v.mean(1), "tokens": x[..., 1].sum((1, 2))}
 
 
-def oracle_credit(model, tok, retr, episodes, M: int, proto) -> tuple:
-    """(A* per turn of each episode, estimates() of every decision, episode-major)."""
+def oracle_credit(model, tok, retr, episodes, M: int, proto, draw: int = 0) -> tuple:
+    """(A* per turn of each episode, estimates() of every decision, episode-major). draw > 0 takes
+    the next M rollouts per side (an independent estimate: the gradient audit's replicates)."""
     decisions = [(i, t) for i, ep in enumerate(episodes) for t in range(len(ep.turns))]
-    conts = rollout.continue_from(model, tok, retr, requests(episodes, decisions, M), proto)
+    conts = rollout.continue_from(model, tok, retr, requests(episodes, decisions, M, draw * M), proto)
     est = estimates([(c.reward, c.n_generated) for c in conts], len(decisions), M)
     per_turn = np.split(est["a"], np.cumsum([len(ep.turns) for ep in episodes])[:-1])
     return per_turn, est
@@ -62,10 +63,14 @@ class Oracle(Method):
     name = "oracle"
     autocast = False  # rollouts from the sampling copy, outside any autocast
 
-    def advantages(self, run, step, episodes, batch, proto) -> tuple:
-        cfg = self.cfg
+    def advantages(self, run, step, episodes, batch, proto, draw: int = 0) -> tuple:
         a_star, est = oracle_credit(self.policy(run), run.tok, run.retriever, episodes,
-                                    cfg.oracle_rollouts, proto)
+                                    self.cfg.oracle_rollouts, proto, draw)
+        return self.from_credit(run, episodes, batch, a_star, est)
+
+    def from_credit(self, run, episodes, batch, a_star, est) -> tuple:
+        """(B, L) token advantages and the counters from oracle_credit's A* (per turn) and estimates."""
+        cfg = self.cfg
         sigma = run.sigma_hat.update(gather_list(run.accel, est["a"][est["a"] != 0].tolist()))
         a_traj = self.trajectory_advantages(episodes)
         base, weight = (a_traj, cfg.omega) if cfg.oracle_traj else (np.zeros(len(episodes)), 1.0)
