@@ -53,8 +53,9 @@ def sources(world: str) -> list:
 def matched(world: str, need: bool = False) -> str:
     """GRPO-matched's label on a world ('' until the runs that fix it are done): chains' from its samples set, a
     suite world's from the suite, the tiny world's by the suite's rule from the runs here (written once)."""
-    if world == "chains":
-        return benchmark.samples_chosen(suite.CHAINS_SAMPLES)["grpo_matched"]
+    if world == "chains":  # chosen by the samples set (written once, never here)
+        path = os.path.join(suite.CHAINS_SAMPLES, "chosen.json")
+        return json.load(open(path))["grpo_matched"] if os.path.isfile(path) else ""
     if world == "tiny":
         return suite.chosen(results_dir(world), need=need).get("grpo_matched", "")
     return suite.chosen(suite.results_dir(world), need=need).get("grpo_matched", "")
@@ -139,8 +140,10 @@ def oracle_figures(runs: list) -> dict:
 
 
 def wall_minutes(world: str, label: str, seeds: tuple) -> float:
-    walls = [json.load(open(os.path.join(benchmark.run_dir(label, s, find(world, label, s)), "meta.json")))["wall_s"]
-             for s in seeds if find(world, label, s)]
+    """Mean wall minutes of the label's runs on the seeds (their meta.json), nan without any."""
+    paths = [os.path.join(benchmark.run_dir(label, s, find(world, label, s)), "meta.json") for s in seeds
+             if find(world, label, s)]
+    walls = [json.load(open(p))["wall_s"] for p in paths if os.path.isfile(p)]
     return float(np.mean(walls)) / 60 if walls else float("nan")
 
 

@@ -25,6 +25,10 @@ NOT_HERE = {  # a README command (regular expression) -> why this suite does not
     r"^make compare-methods": "13 methods' training runs",
     r"^make suite SUITE=": "hours of training runs; tests/test_suite.py checks the sets and their passes",
     r"^make suite-report$": "rewrites results/suite: tests/test_suite.py rebuilds a summary elsewhere",
+    r"^python train_twice.py configs/demo.cfg --method=oracle": "minutes of rollouts a step: tests/test_oracle.py "
+                                                                "trains the arm two steps and resumes it",
+    r"^python -m lab.headroom run ": "hours of training runs: tests/test_headroom.py checks the plans and the table",
+    r"^python -m lab.gradaudit run ": "tens of minutes: tests/test_gradaudit.py runs its parts on the tiny world",
     r"^python -m worlds.data convert ": "needs a Search-R1 parquet: tests/test_data.py converts one it writes",
     r"^python -m perf.ledger configs/": "minutes per preset; tests/test_ledger.py runs the ledger small",
     r"^python -m worlds.build --out data/(tinyworld|chains)": "a full build; tests/test_world*.py build both "
