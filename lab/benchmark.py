@@ -424,6 +424,17 @@ def em_after_same_updates(rows: list, base: list) -> tuple:
     return np.interp(n, *zip(*mine)) - np.interp(n, *zip(*theirs)), n
 
 
+def mean_em_over_same_updates(rows: list, base: list) -> float:
+    """Mean over [0, n] updates of EM - the base run's EM, n the most updates both made, each curve linear between
+    its evaluations (exact: the trapezoid over every breakpoint). Unlike the EM after n updates it sees the path,
+    so two runs that both saturate still differ by how soon they got there."""
+    mine, theirs = updates_curve(rows), updates_curve(base)
+    n = min(mine[-1][0], theirs[-1][0])
+    xs = np.array(sorted({0, n, *[u for u, _ in mine + theirs if u < n]}), dtype=float)
+    diff = np.interp(xs, *zip(*mine)) - np.interp(xs, *zip(*theirs))
+    return float(np.sum((diff[1:] + diff[:-1]) / 2 * np.diff(xs)) / n) if n > 0 else float(diff[0])
+
+
 def at_updates(runs: dict, base: str) -> str:
     """Markdown: per label, its EM against the base's after the same number of updates, the most
     both made (each curve interpolated in updates, same seed): a per-update comparison, fair when

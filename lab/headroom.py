@@ -120,11 +120,11 @@ def world_runs(world: str, seeds: tuple) -> dict:
     return out
 
 
-def paired(runs: dict, lab: str, base: str) -> list:
-    """EM after the same updates minus the base's, per shared seed."""
+def paired(runs: dict, lab: str, base: str, path: bool = False) -> list:
+    """EM after the same updates minus the base's (path: the mean over those updates), per shared seed."""
     base_rows = {cfg["seed"]: rows for cfg, rows in runs.get(base, [])}
-    return [benchmark.em_after_same_updates(rows, base_rows[cfg["seed"]])[0]
-            for cfg, rows in runs.get(lab, []) if cfg["seed"] in base_rows]
+    diff = benchmark.mean_em_over_same_updates if path else lambda a, b: benchmark.em_after_same_updates(a, b)[0]
+    return [diff(rows, base_rows[cfg["seed"]]) for cfg, rows in runs.get(lab, []) if cfg["seed"] in base_rows]
 
 
 def mean_se(x: list) -> tuple:
@@ -156,7 +156,8 @@ def world_table(world: str, seeds: tuple) -> tuple:
     head = mean_se(paired(runs, ORACLE, bar))
     ok = head[0] > 2 * head[1]
     lines += ["| method | seeds | updates | EM after the same updates - GRPO-matched's | - GRPO's | share of the headroom "
-              "| tokens per update / GRPO's | wall min |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| mean EM over those updates - GRPO-matched's | tokens per update / GRPO's | wall min |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     points = {}
     for lab in labels(world):
         if lab not in runs:
@@ -168,9 +169,11 @@ def world_table(world: str, seeds: tuple) -> tuple:
             cost = np.mean([oracle_figures([run])["total"] / max(r["step"] for r in run[1]) for run in runs[lab]]) \
                 / benchmark.per_update(runs[GRPO])
         share = f"{vs_bar[0] / head[0]:.2f}" if ok and lab != bar else "-"
+        path = mean_se(paired(runs, lab, bar, path=True))
         lines.append(f"| {suite.method(lab)} | {len(runs[lab])} | {updates:.1f} | "
                      f"{'-' if lab == bar else f'{vs_bar[0]:+.3f} +- {vs_bar[1]:.3f}'} | "
                      f"{'-' if lab == GRPO else f'{vs_grpo[0]:+.3f} +- {vs_grpo[1]:.3f}'} | {share} | "
+                     f"{'-' if lab == bar else f'{path[0]:+.3f} +- {path[1]:.3f}'} | "
                      f"{cost:.2f} | {wall_minutes(world, lab, seeds):.1f} |")
         if lab != bar:
             points[suite.method(lab)] = vs_bar

@@ -89,12 +89,14 @@ def test_the_headroom_table_by_hand(folders):
     assert points["twice-turn-b0.7-w1-cap2"] == pytest.approx((0.05, 0.0))
     row = next(line for line in text.splitlines() if line.startswith("| twice-turn-b0.7-w1-cap2 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[3] == "+0.050 +- 0.000" and cells[5] == "0.25" and cells[6] == "1.30"
+    assert cells[3] == "+0.050 +- 0.000" and cells[5] == "0.25" and cells[7] == "1.30"
+    # the mean over updates 0-2: GRPO-matched 0.2, 0.4, 0.5 + s/10; TWICE 0.2, 0.4, 0.55 + s/10: trapezoid 0.05/4
+    assert cells[6] == f"+{0.05 / 4:.3f} +- 0.000"
     # against GRPO after 3 updates: TWICE credit only 0.60 - 0.50
     assert cells[4] == "+0.100 +- 0.000"
     orow = [c.strip() for c in next(line for line in text.splitlines()
                                     if line.startswith(f"| {headroom.ORACLE} |")).strip("|").split("|")]
-    assert orow[5] == "1.00" and orow[6] == f"{(10000 + 500000) / 10000:.2f}" and orow[7] == "2.0"
+    assert orow[5] == "1.00" and orow[7] == f"{(10000 + 500000) / 10000:.2f}" and orow[8] == "2.0"
     assert "mean SE 0.070" in text and "credit headroom (oracle - GRPO, the same rows) +0.300" in text
     # the report writes the tables and the figure from the runs alone
     out = headroom.build_report("dev")
