@@ -3,7 +3,7 @@ learning. At a fixed policy, each method's policy gradient on the same factual b
 and its variance split into credit noise and episode sampling.
 
     python -m lab.gradaudit run WORLD [--policy DIR] [--tag warm]   # results/gradaudit/WORLD-TAG/gradaudit.json
-    python -m lab.gradaudit checkpoint WORLD                        # the mid-training policy: GRPO, 8 updates, seed 0
+    python -m lab.gradaudit checkpoint WORLD                        # the mid-training policy: GRPO, half its updates
     python -m lab.gradaudit report                                  # results/gradaudit/summary.md from every json
 
 Protocol, at the chains benchmark's settings (configs/chains.cfg + configs/compare-methods.cfg, each method at its
@@ -51,12 +51,12 @@ from methods import oracle
 ROOT = benchmark.ROOT
 RESULTS = os.path.join(ROOT, "results", "gradaudit")
 INDEPENDENT = suite.INDEPENDENT
-CHECKPOINT_STEPS = 8  # the mid-training policy: GRPO after 8 updates (about half of its 120k-token run)
 
 
 def labels(world: str) -> list:
     """GRPO, GRPO-matched, TWICE credit only, the independent counterfactual, twins as rows, the oracle arm."""
-    return [headroom.GRPO, headroom.matched(world), headroom.CREDIT, INDEPENDENT, headroom.DATA, headroom.ORACLE]
+    return [lab for lab in (headroom.GRPO, headroom.matched(world), headroom.CREDIT, INDEPENDENT, headroom.DATA,
+                            headroom.ORACLE) if lab]  # GRPO-matched once chosen
 
 
 def config_of(world: str, label: str, policy: str) -> tt.Config:
@@ -142,6 +142,17 @@ def cosines(g, refs) -> dict:
             "cos_mean_of_draws_se": suite.se(avg)}
 
 
+def reference_cos(split_half: float, batches: int) -> float:
+    """The cosine of the leave-one-out reference (B - 1 batches) with the expected gradient, from the split-half
+    cosine rho of two references of B // 2 batches each, if each batch adds independent noise of one size: a
+    reference of k batches has cos^2 = 1 / (1 + r / k) with r = (B // 2) (1 / rho - 1) (Spearman-Brown). A batch
+    gradient's cosine with the expected gradient is then about its cosine with the reference over this."""
+    if split_half <= 0:
+        return float("nan")
+    r = (batches // 2) * (1 / split_half - 1)
+    return float(1 / np.sqrt(1 + r / (batches - 1)))
+
+
 def references(raw) -> tuple:
     """(leave-one-batch-out reference per batch, the split-half cosine of the reference), raw (B, R, d)."""
     per_batch = np.asarray(raw).mean(1)
@@ -178,6 +189,7 @@ def run_audit(world: str, policy_dir: str, tag: str, batches: int, draws: int, o
     refs, split_half = references(raw)
     result = {"world": world, "tag": tag, "policy": os.path.relpath(policy_dir, ROOT), "batches": batches,
               "draws": draws, "oracle_rollouts": headroom.M, "reference_split_half_cos": split_half,
+              "reference_cos": reference_cos(split_half, batches),
               "params": int(len(refs[0])), "methods": {}}
     for label, g in grads.items():
         result["methods"][label] = {**cosines(g, refs), **variance_split(g), "seconds": round(times[label], 1)}
@@ -187,14 +199,26 @@ def run_audit(world: str, policy_dir: str, tag: str, batches: int, draws: int, o
     return result
 
 
+def mid_steps(world: str) -> int:
+    """Half the updates of the world's GRPO run on seed 0 at the benchmark's budget (chains: 8 of 17)."""
+    where = headroom.find(world, headroom.GRPO, 0)
+    if not where:
+        raise SystemExit(f"lab/gradaudit.py: {world} has no finished GRPO run on seed 0 yet "
+                         f"(python -m lab.headroom run {world}): the checkpoint is half its updates")
+    _, rows = benchmark.collect([headroom.GRPO], (0,), where)[headroom.GRPO][0]
+    return max(r["step"] for r in rows) // 2
+
+
 def checkpoint(world: str, scratch: str) -> str:
-    """GRPO on the world from its warm start, CHECKPOINT_STEPS updates, seed 0 (benchmark settings, one thread)."""
-    out = os.path.join(scratch, f"{world}-grpo{CHECKPOINT_STEPS}")
+    """GRPO on the world from its warm start for half its run's updates, seed 0 (benchmark settings, one thread): the
+    mid-training policy; returns its folder."""
+    steps = mid_steps(world)
+    out = os.path.join(scratch, f"{world}-grpo{steps}")
     argv = [sys.executable, "train_twice.py", *benchmark.CONFIGS, f"--world={suite.world_dir(world)}",
-            "--method=grpo", f"--steps={CHECKPOINT_STEPS}", "--token_budget=0", "--eval_tokens=0", "--eval_every=0",
+            "--method=grpo", f"--steps={steps}", "--token_budget=0", "--eval_tokens=0", "--eval_every=0",
             "--eval_data=", "--log_tensorboard=false", f"--out_dir={out}", "--overwrite"]
     subprocess.run(argv, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return os.path.join(out, f"step_{CHECKPOINT_STEPS:06d}", "policy")
+    return os.path.join(out, f"step_{steps:06d}", "policy")
 
 
 # --- the report ---
@@ -203,20 +227,23 @@ def summary(results: str = RESULTS) -> str:
     """Markdown: per world and policy, every method's cosine with the reference and its variance split."""
     lines = ["# Gradient audit (generated by `python -m lab.gradaudit report`; do not edit)", "",
              "cos: one batch's gradient against the reference (leave one batch out, raw oracle A*), mean +- SE over "
-             "batches; cos (R draws): the same for the mean of R credit draws; credit noise and sampling: shares of "
-             "the variance of one batch's gradient (trace of the covariance); SNR: |E g|^2 / that variance.", ""]
+             "batches; cos (R draws): the same for the mean of R credit draws; cos / ref: cos over the reference's "
+             "own estimated cosine with the expected gradient (from its split half, `reference_cos`), about the "
+             "batch gradient's cosine with the expected oracle gradient; credit noise and sampling: shares of the "
+             "variance of one batch's gradient (trace of the covariance); SNR: |E g|^2 / that variance.", ""]
     found = sorted(d for d in os.listdir(results) if os.path.isfile(os.path.join(results, d, "gradaudit.json"))) \
         if os.path.isdir(results) else []
     for name in found:
         res = json.load(open(os.path.join(results, name, "gradaudit.json")))
+        ref = reference_cos(res["reference_split_half_cos"], res["batches"])
         lines += [f"## {res['world']}, {res['tag']} ({res['policy']}): {res['batches']} batches x {res['draws']} "
-                  f"draws, reference split-half cos {res['reference_split_half_cos']:.3f}", "",
-                  "| method | cos | cos (R draws) | credit noise | sampling | SNR | s |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  f"draws, reference split-half cos {res['reference_split_half_cos']:.3f} (reference cos {ref:.2f})",
+                  "", "| method | cos | cos (R draws) | cos / ref | credit noise | sampling | SNR | s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for label, m in res["methods"].items():
             total = m["total"] if m["total"] > 0 else float("nan")
             lines.append(f"| {suite.method(label)} | {m['cos']:.3f} +- {m['cos_se']:.3f} | "
-                         f"{m['cos_mean_of_draws']:.3f} +- {m['cos_mean_of_draws_se']:.3f} | "
+                         f"{m['cos_mean_of_draws']:.3f} +- {m['cos_mean_of_draws_se']:.3f} | {m['cos'] / ref:.2f} | "
                          f"{m['credit_noise'] / total:.2f} | {m['sampling'] / total:.2f} | "
                          f"{m['signal'] / total:.3f} | {m['seconds']:.0f} |")
         lines.append("")

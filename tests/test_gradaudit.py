@@ -52,6 +52,21 @@ def test_cosines_and_leave_one_out_reference_by_hand():
     assert c["cos_se"] == pytest.approx(np.std([0.9, 1.0, 1.0], ddof=1) / np.sqrt(3))
 
 
+def test_reference_cos_follows_spearman_brown():
+    """Batches g* + noise of variance r |g*|^2 each: a mean of k has cos^2 = 1 / (1 + r / k) with g*."""
+    rng = np.random.default_rng(1)
+    d, B, r = 4000, 6, 3.0
+    star = rng.normal(size=d)
+    noise = np.sqrt(r * (star @ star) / d)
+    got = []
+    for _ in range(20):
+        batches = star + noise * rng.normal(size=(B, d))
+        half = gradaudit.cosine(batches[:3].mean(0), batches[3:].mean(0))  # two means of 3: rho = 1 / (1 + r / 3)
+        got.append(gradaudit.reference_cos(half, B))
+    assert np.mean(got) == pytest.approx(1 / np.sqrt(1 + r / (B - 1)), abs=0.02)
+    assert np.isnan(gradaudit.reference_cos(0.0, B))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)
