@@ -78,9 +78,11 @@ def test_bare_tiny_runs_every_part_without_the_packages_a_bare_gpu_image_lacks(t
     probe = subprocess.run([sys.executable, "-c", "import vllm"], env=env, capture_output=True, text=True)
     assert "No module named 'vllm'" in probe.stderr  # the blocker holds in a fresh process
     t0 = time.time()
+    # the budgets are an H100's: a shared CPU gets its own, so that only a hang stops a part here
+    cpu = [f"--budget={name}=1500" for name in gpucheck.BUDGET_S] + ["--time_limit=3000"]
     run = subprocess.run([sys.executable, "-m", "perf.gpucheck", "--bare", "--tiny", "--prompts", "1", "--steps",
-                          "1", "--set", "max_new_tokens=40", "--set", "max_turns=1", "--out", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          "1", "--set", "max_new_tokens=40", "--set", "max_turns=1", "--out", str(out), *cpu],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     took = time.time() - t0
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     got = json.load(open(out))
@@ -149,8 +151,8 @@ def test_the_plan_fits_the_time_limit_with_each_budget_over_its_estimate():
     for name, row in rows.items():
         if row["estimate_s"] is not None:
             assert 1.3 * row["estimate_s"] <= row["budget_s"] <= 3 * row["estimate_s"], (name, row)
-    assert sum(row["budget_s"] for name, row in rows.items() if name != "prediction") + 20 <= gpucheck.TIME_LIMIT_S
-    assert gpucheck.TIME_LIMIT_S <= 9 * 60
+    assert sum(row["budget_s"] for name, row in rows.items() if name != "prediction") <= gpucheck.TIME_LIMIT_S
+    assert gpucheck.TIME_LIMIT_S + 15 <= 9 * 60  # the check's own start: its imports
 
 
 def test_decode_estimate_by_hand():
