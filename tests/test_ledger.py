@@ -107,8 +107,9 @@ def test_scripted_turns_have_the_scripts_lengths():
 # --- the ledger against a measured run, and the first-GPU check's tiny size ---
 def test_gpu_check_tiny_matches_the_ledger_within_10_percent(tmp_path):
     """The check's train step at its tiny size (a process of its own: the check forks its parts)."""
+    cpu = [f"--budget={name}=1500" for name in gpucheck.BUDGET_S] + ["--time_limit=3000"]  # an H100's are less
     run = subprocess.run([sys.executable, "-m", "perf.gpucheck", "--tiny", "--parts", "train_step", "--out",
-                          str(tmp_path / "check.json")], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                          str(tmp_path / "check.json"), *cpu], cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     saved = json.load(open(tmp_path / "check.json"))["parts"]["train_step"]
     assert saved["phases"].keys() == set(ledger.PHASES) and "error" not in saved
