@@ -352,19 +352,22 @@ train-2nodes: install install-gpu
 
 # --- memory (DESIGN.md section 10) ---
 # The ledger: each preset's per-rank GPU memory per phase and category, from the code (python -m perf.ledger; minutes on one
-# CPU thread); `make memory` rewrites memory.json and README's table. The first-GPU check: the ledger's prediction
-# against one GPU's allocator, decode tokens/s and one update's time, in runs/gpu_check.json (<= 8 minutes; ARGS=--tiny:
-# the same code on the CPU, <= 2 minutes).
+# CPU thread); `make memory` rewrites memory.json and README's table. The first-GPU check (perf/gpucheck.py): the engine's
+# decode tokens/s and host syncs with and without CUDA graphs, the keyed draw's agreement between batch sizes and its
+# overhead against plain sampling, one train step's memory per phase against the ledger, in runs/gpu_check.json
+# (<= 9 minutes on one H100; ARGS=--tiny: the same code on the CPU).
+# NO_INSTALL=1: a bare CUDA machine (no network): $(PYTHON)'s own torch (>= 2.11), nothing installed, --bare.
 # GPUS=8: then the node check (perf/nodecheck.py: NCCL all-reduce, a ZeRO-2 step, the index shards on every GPU)
 GPUS       ?= 1
 NODE_CHECK  = $(qVENV)/bin/torchrun --standalone
+CHECK_PY    = $(if $(NO_INSTALL),$(qPYTHON),$(qPY))
 .PHONY: memory gpu-check
 memory: install
 	$(qPY) -m perf.ledger --write --jobs 2
 
-gpu-check: install $(if $(findstring --tiny,$(ARGS)),,cuda-check)
-	$(qPY) -m perf.gpucheck --out runs/gpu_check.json $(ARGS)
-	if $(qPY) -c "import vllm" 2>/dev/null; then \
-	  $(qPY) -m perf.bench_vllm $(if $(findstring --tiny,$(ARGS)),--tiny,--gpu) --json runs/gpu_check_vllm.json; \
+gpu-check: $(if $(NO_INSTALL),,install $(if $(findstring --tiny,$(ARGS)),,cuda-check))
+	$(CHECK_PY) -m perf.gpucheck --out runs/gpu_check.json $(if $(NO_INSTALL),--bare) $(ARGS)
+	if $(CHECK_PY) -c "import vllm" 2>/dev/null; then \
+	  $(CHECK_PY) -m perf.bench_vllm $(if $(findstring --tiny,$(ARGS)),--tiny,--gpu) --json runs/gpu_check_vllm.json; \
 	else echo "== no vLLM here (make install-gpu installs it): no engine=vllm figure"; fi
 	$(if $(filter-out 1,$(GPUS)),$(NODE_CHECK) --nproc_per_node $(GPUS) -m perf.nodecheck --out runs/node_check.json)

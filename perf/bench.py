@@ -53,19 +53,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 # --- keyed: keyed sampling against plain multinomial sampling, same model, batch and length ---
 def bench_overhead(vocab=32000, hidden=256, layers=4, batch=32, new_tokens=64, prompt_len=32,
-                   reps=5, fused=False, device=None) -> dict:
+                   reps=5, fused=False, device=None, shape=None, dtype=torch.float32) -> dict:
     """Generation wall time of a random Qwen2 (no EOS: every row makes new_tokens tokens) with the
     keyed processor, with do_sample=True multinomial sampling (T = 1, no top-k) and greedy;
     interleaved in one run so load changes hit all three. Returns medians and the median
-    per-repetition ratio keyed / plain."""
+    per-repetition ratio keyed / plain. shape: a Qwen2 config's sizes (bench_engine.SHAPES) in
+    place of hidden and layers; the model is built on `device`, in `dtype`."""
     from transformers import GenerationConfig, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
     from sampler import KeyedGumbelProcessor, _signed, mix, turn_key
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                         num_key_value_heads=max(1, hidden // 128), tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(config).to(device).eval()
+    config = Qwen2Config(vocab_size=vocab, **shape or dict(
+        hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+        tie_word_embeddings=True))
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype).eval()
+    hidden, layers = config.hidden_size, config.num_hidden_layers
     model.generation_config = GenerationConfig()
     prompt = torch.randint(0, vocab, (batch, prompt_len), device=device)
     keys = torch.tensor([_signed(turn_key(mix(0, b), 0)) for b in range(batch)], device=device)

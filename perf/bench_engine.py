@@ -98,15 +98,17 @@ SHAPES_CPU = {
 }
 
 
-def eos_biased(config, eos: int, median: float):
+def eos_biased(config, eos: int, median: float, device="cpu"):
     """A random Qwen2 of `config` (near-uniform logits) whose LM head adds a bias to the EOS logit,
-    so that turn lengths are geometric with the given median."""
+    so that turn lengths are geometric with the given median. Built on `device` (a 3B model's
+    random init takes a CPU tens of seconds, a GPU milliseconds), in float32."""
     from transformers import Qwen2ForCausalLM
     torch.manual_seed(0)
     config.initializer_range = 0.002
-    model = Qwen2ForCausalLM(config).eval()
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).eval()
+        head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
     p_eos = 1 - 0.5 ** (1 / median)
-    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
     head.weight.data.copy_(model.lm_head.weight.data)
     head.bias.data.zero_()[eos] = float(
         torch.log(torch.tensor(p_eos * (config.vocab_size - 1) / (1 - p_eos))))
@@ -167,55 +169,100 @@ def engine_turn(shape: str, world: str, rows=320, slots=128, median=80, cap=250,
 
 def engine_gpu(shape: str = "3b", rows: int = 320, slots: int = 128, median: float = 80,
                cap: int = 250, max_context: int = 4096, top_p: float = 0.95,
-               device: str = "cuda") -> dict:
+               device: str = "cuda", tok=None, agree_rows: int = 0, agree_slots: int = 0,
+               report=None, vocab: int = 151_936) -> dict:
     """The cached engine's GPU figure, for the first-GPU check: one decoded turn of `rows` fresh
     episodes (one rank's share of the 3B preset: 64 prompts x 5 lines) over `slots` decode slots
     (the preset's gen_batch_size), by a random Qwen2.5-`shape`-shaped model in bf16 whose EOS logit
-    gives turn lengths of median `median` (cut at `cap`), with the Qwen tokenizer and the preset's
-    top_p; once without and once with CUDA graphs, each after a warm-up turn (allocation,
-    compilation, capture). Returns {"no_graphs": figures, "graphs": figures, "same_tokens": bool},
-    the figures being tok_s (generated tokens per second on this GPU, prefill included), tokens, s,
-    steps, host_syncs_per_step, slot_occupancy. device="cpu" with shape="tiny" runs the same code at
-    a tiny size (tested)."""
+    gives turn lengths of median `median` (cut at `cap`), with the Qwen tokenizer (or `tok`) and the
+    preset's top_p; once without and once with CUDA graphs, each after a warm-up turn (allocation,
+    compilation, capture). With agree_rows, the first agree_rows episodes once more over
+    agree_slots slots without graphs: the keyed draw's agreement between batch sizes (P8).
+    Returns {"no_graphs": figures, "graphs": figures, "same_tokens": bool, "graphs_agreement",
+    "batch_agreement": agreement(), "logit_std"}, the figures being tok_s (generated tokens per
+    second on this GPU, prefill included), tokens, s, steps, host_syncs_per_step, slot_occupancy;
+    report(**figures), when given, receives each as it is measured. device="cpu" with
+    shape="tiny" (and a smaller `vocab`) runs the same code at a tiny size (tested)."""
     from generation import engine
     from protocol import Protocol
-    from rollout import start_episodes
     from transformers import Qwen2Config
-    tok = qwen_tokenizer()
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    config = Qwen2Config(vocab_size=151_936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    tok = tok or qwen_tokenizer()
+    report = report or (lambda **figures: None)
+    config = Qwen2Config(vocab_size=vocab, max_position_embeddings=32768, rms_norm_eps=1e-6,
                          rope_theta=1e6, **SHAPES[shape])
-    model = eos_biased(config, tok.eos_token_id, median).to(device=device, dtype=dtype)
+    model = eos_biased(config, tok.eos_token_id, median, device).to(
+        dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     questions = [{"id": f"g{i}", "question": f"question {i}", "golden_answers": ["x"]}
                  for i in range(rows)]
-    out = {}
-    for name, graphs in (("no_graphs", False), ("graphs", True)):
-        proto = Protocol(max_new_tokens=cap, max_context=max_context, gen_batch_size=slots,
+    out, ids = {"logit_std": _logit_std(model, tok, questions[0])}, {}
+    report(**out)
+    runs = [("no_graphs", False, rows, slots, True), ("graphs", True, rows, slots, True)]
+    runs += [("few_slots", False, agree_rows, agree_slots, False)] if agree_rows else []
+    for name, graphs, n, width, warm in runs:
+        proto = Protocol(max_new_tokens=cap, max_context=max_context, gen_batch_size=width,
                          top_p=top_p, cuda_graphs=graphs)
-        with torch.no_grad():
-            # a whole warm-up turn: every step shape captured before timing
-            for step, n in ((1, rows), (0, rows)):
-                with counting(engine) as counts:
-                    torch.cuda.synchronize() if device == "cuda" else None
-                    t0 = time.perf_counter()
-                    gens = engine.generate_turn(model, tok,
-                                                start_episodes(tok, questions[:n], 0, step), proto)
-                    torch.cuda.synchronize() if device == "cuda" else None
-                    took = time.perf_counter() - t0
-        tokens = sum(len(g.ids) for g in gens)
-        out[name] = {
-            "tok_s": tokens / took, "tokens": tokens, "s": took, "steps": counts["steps"],
-            "host_syncs_per_step": counts["syncs"] / counts["steps"],
-            "slot_occupancy": counts["live_steps"] / counts["slot_steps"], "sha": hashlib.sha256(
-                json.dumps([g.ids for g in gens]).encode()).hexdigest()[:16]
-        }
-        print(
-            f"engine {shape} {name}: {out[name]['tok_s']:.0f} generated tok/s ({tokens} tokens, {took:.1f}s, "
-            f"{counts['steps']} steps, {out[name]['host_syncs_per_step']:.3f} host syncs/step, slot occupancy "
-            f"{out[name]['slot_occupancy']:.3f})", flush=True)
+        out[name], ids[name] = _timed_turn(model, tok, questions[:n], proto, warm, device)
+        print(f"engine {shape} {name}: {out[name]['tok_s']:.0f} generated tok/s ({out[name]['tokens']} "
+              f"tokens, {out[name]['s']:.1f}s, {out[name]['steps']} steps, {out[name]['host_syncs_per_step']:.3f} "
+              f"host syncs/step, slot occupancy {out[name]['slot_occupancy']:.3f})", flush=True)
+        if name == "graphs":
+            out["same_tokens"] = out["graphs"]["sha"] == out["no_graphs"]["sha"]
+            out["graphs_agreement"] = agreement(ids["no_graphs"], ids["graphs"])
+        if name == "few_slots":
+            out["batch_agreement"] = {"slots": [slots, width], **agreement(
+                ids["no_graphs"][:n], ids["few_slots"])}
+        report(**{k: v for k, v in out.items() if k in (name, "same_tokens", "graphs_agreement",
+                                                        "batch_agreement")})
     engine.free_cache(model)
-    out["same_tokens"] = out["graphs"]["sha"] == out["no_graphs"]["sha"]
     return out
+
+
+def _timed_turn(model, tok, questions, proto, warm: bool, device: str):
+    """One generate_turn of fresh episodes, after a whole warm-up turn (at step 1: other keys)
+    when `warm`, so every step shape is captured before timing: (figures, token ids per row)."""
+    from generation import engine
+    from rollout import start_episodes
+    with torch.no_grad():
+        for step in ((1, 0) if warm else (0,)):
+            with counting(engine) as counts:
+                torch.cuda.synchronize() if device == "cuda" else None
+                t0 = time.perf_counter()
+                gens = engine.generate_turn(model, tok, start_episodes(tok, questions, 0, step),
+                                            proto)
+                torch.cuda.synchronize() if device == "cuda" else None
+                took = time.perf_counter() - t0
+    ids = [g.ids for g in gens]
+    tokens = sum(map(len, ids))
+    return {
+        "tok_s": tokens / took, "tokens": tokens, "s": took, "steps": counts["steps"],
+        "host_syncs_per_step": counts["syncs"] / counts["steps"],
+        "slot_occupancy": counts["live_steps"] / counts["slot_steps"],
+        "sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+    }, ids
+
+
+def _logit_std(model, tok, question) -> float:
+    """Standard deviation of the model's next-token logits after one prompt: how far bf16 rounding
+    can move them (a trained model's are tens of times wider than a random one's)."""
+    from protocol import render_prompt
+    ids = torch.tensor([tok(render_prompt(tok, question["question"]), add_special_tokens=False)[
+        "input_ids"]], device=model.device)
+    with torch.no_grad():
+        return float(model(input_ids=ids, logits_to_keep=1).logits.float().std())
+
+
+def agreement(a: list, b: list) -> dict:
+    """Two samplings of the same rows (token ids per row, same keys): rows equal throughout, and
+    flips: rows whose tokens part (at a near-tie that rounding tipped; everything after follows
+    from it) per 1,000 tokens drawn up to and including the first that differs."""
+    assert len(a) == len(b), f"{len(a)} rows against {len(b)}"
+    drawn = flips = 0
+    for x, y in zip(a, b):
+        same = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        flips += x != y
+        drawn += same + (x != y)
+    return {"rows": len(a), "rows_identical": len(a) - flips, "tokens_compared": drawn,
+            "flips_per_1k_tokens": 1e3 * flips / max(drawn, 1)}
 
 
 class _V1Probe:

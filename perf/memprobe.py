@@ -88,24 +88,26 @@ FILLER = [f"w{i}" for i in range(256)]  # what a scripted turn says before its a
 ANSWERS = FILLER[:4]
 
 
-def script_tokenizer():
+TAGS = ["<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>"]
+
+
+def script_tokenizer(size: int = 0):
     """A word-level tokenizer (one token per word or tag, ChatML template): token counts are word
-    counts."""
+    counts. size: invented words ("v0", "v1", ...) fill it up to that many tokens, a stand-in of
+    that size for a real tokenizer (perf/gpucheck.py, where Qwen's is not installed)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     words = sorted(set(protocol.INSTRUCTION.split() + protocol.INVALID_ACTION_MSG.split() + FILLER +
                        ["Question:", "Doc", "(Title:", ")", "T"]))
-    vocab = {
-        w: i for i, w in enumerate(["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + words)
-    }
+    words = ["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + words
+    words += [f"v{i}" for i in range(size - len(words) - len(set(TAGS) - set(words)))]
+    vocab = {w: i for i, w in enumerate(words)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>",
                                   eos_token="<|im_end|>", clean_up_tokenization_spaces=False)
     tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
-    tok.add_tokens([
-        "<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>"
-    ])
+    tok.add_tokens(TAGS)
     tok.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -12,7 +12,8 @@ categories at that moment.
 
 It runs on real tensors (the CPU runs of the ledger and of the tests) and on fake ones
 (FakeTensorMode: the full-size forward and backward passes, no memory behind them); on a GPU,
-`torch.cuda.memory_allocated` is the independent measure it is checked against (perf/gpucheck.py).
+`torch.cuda.memory_allocated` is the independent measure it is checked against (perf/gpucheck.py):
+`CudaPhases` records the allocator's peak per phase there, as a Tracker does here.
 
 It does not see memory outside torch's allocator (the CUDA context, NCCL, cuBLAS workspaces), the
 allocator's cached free blocks or its fragmentation (the ledger adds those as estimates), nor
@@ -213,3 +214,34 @@ def stack_classifier(table: dict, default: str = "other", depth: int = 60):
             f = f.f_back
         return default
     return classify
+
+
+class CudaPhases:
+    """memprobe.phases' recorder on a GPU: per phase, the allocator's peak from the phase's start (a
+    nested phase's peak counts for the outer one too), its reserved bytes and the device's used
+    bytes at that peak's end."""
+
+    def __init__(self):
+        self.current, self.peaks, self._outer = None, {}, []
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        torch.cuda.synchronize()
+        if self.current is not None:
+            self._outer.append((self.current, torch.cuda.max_memory_allocated()))
+        saved, self.current = self.current, name
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            peak = max(torch.cuda.max_memory_allocated(), self.peaks.get(name, {}).get("total", 0))
+            self.peaks[name] = {
+                "total": peak, "reserved": torch.cuda.max_memory_reserved(), "used": total - free
+            }
+            self.current = saved
+            if saved is not None:
+                outer, before = self._outer.pop()
+                self.peaks.setdefault(outer, {"total": 0})
+                self.peaks[outer]["total"] = max(self.peaks[outer]["total"], before, peak)

@@ -31,7 +31,7 @@ ORDER = [
     "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark", "lab.suite",
     "lab.headroom", "lab.gradaudit",
     "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_vllm", "perf.bench_server",
-    "perf.bench",
+    "perf.bench", "perf.budget",
     "perf.gpucheck", "perf.nodecheck", "perf.smoke", "perf.probe", "perf.cpucheck",
 ]
 LONG_LINE, LONG_LINE_SHARE = 100, 0.10  # characters; share of code lines allowed past it
