@@ -29,6 +29,7 @@ decode step fit --fraction of the free memory (--no-engine: skipped).
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -174,11 +175,13 @@ def sized(layers: int, prompts: int, fraction: float, steps: int, tiny: bool):
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() and not tiny else None
     while True:
         cfg, dims = check_config(layers, prompts, tiny)
+        # the fewest prompts whose lines split into the preset's mini-batches (10: 2 prompts)
+        least = cfg.mini_batches // math.gcd(cfg.group_size, cfg.mini_batches)
         pred = ledger.build(cfg, dims, "plain", world=1, retriever=False, steps=steps)
         allocated = max(ph["allocated_gib"] for ph in pred["phases"].values()) * GIB
-        if free is None or allocated <= fraction * free or (layers == 1 and prompts == 1):
+        if free is None or allocated <= fraction * free or (layers == 1 and prompts <= least):
             return cfg, dims, pred
-        layers, prompts = max(1, layers // 2), max(1, prompts // 2)
+        layers, prompts = max(1, layers // 2), max(least, prompts // 2 // least * least)
 
 
 def main(argv=None):
