@@ -10,8 +10,9 @@ written down.
   python -m perf.bench memory ...                         # the same command
 
 Where every figure comes from:
-  1. A probe run: the real `train_twice.train_step` (rollout, twins, log-prob passes, update,
-     optimizer step) at the preset's per-rank batch (prompts_per_step / 8 prompts x group_size
+  1. A probe run: the real `train_twice.train_step` (rollout, twins, log-prob passes, one mini-batch
+     of the update with its optimizer step: each peaks alike, memprobe.one_mini_batch; update_counts
+     states the rest) at the preset's per-rank batch (prompts_per_step / 8 prompts x group_size
      lines, its gen_batch_size, micro-batches, twin budget and chunks), on a model of the preset's
      layers (at most 12) and tiny widths in the preset's dtypes, driven by a scripted agent whose
      turns have the stated Search-R1-like lengths (memprobe.SCRIPTS), the engine sized as on CUDA
@@ -473,9 +474,9 @@ def config_of(cfg) -> dict:
 
 
 def update_counts(cfg) -> dict:
-    """The update of a rank's step: its mini-batches (the probe runs one a pass, whose peak is every
-    one's: memprobe.one_mini_batch), their rows, micro-batches, and the optimizer steps and forward /
-    backward passes that time scales with."""
+    """The update of a rank's step: its mini-batches (the probe runs one a pass, whose peak is
+    every one's: memprobe.one_mini_batch), their rows, micro-batches, and the optimizer steps and
+    forward/backward passes that time scales with."""
     micro = config.micro_batches(cfg)
     return {"mini_batches": cfg.mini_batches, "probed": 1, "micro_batches": micro,
             "rows": cfg.prompts_per_step * cfg.group_size // cfg.mini_batches,
@@ -598,9 +599,6 @@ def table(ledgers: dict) -> str:
             parts = ", ".join(f"{c.replace('_', ' ')} {v:.1f}" for c, v in top)
             cells.append(f"{ph['total_gib']:.1f} ({parts})")
         lines.append(f"| {phase.replace('_', ' ')} | " + " | ".join(cells) + " |")
-    lines.append("| update: mini-batches of a step | " + " | ".join(
-        "{mini_batches} of {rows} rows ({micro_batches} micro-batches each), {probed} probed"
-        .format(**ledgers[n]["update"]) for n in names) + " |")
     lines.append("| **peak of 80 GiB** | " + " | ".join(
         f"**{ledgers[n]['peak_gib']:.1f}** ({ledgers[n]['peak_phase'].replace('_', ' ')}), headroom "
         f"{100 * ledgers[n]['headroom']:.0f}%" for n in names) + " |")
@@ -637,9 +635,10 @@ def show(name: str, led: dict) -> str:
         f"  peak {led['peak_gib']:.1f} GiB ({led['peak_phase']}) of {led['gpu_gib']}: headroom "
         f"{100 * led['headroom']:.1f}% ({'fits' if led['headroom'] >= 0.10 else 'DOES NOT FIT'} with 10%)"
     )
-    out.append("  update: {probed} of {mini_batches} mini-batches probed ({rows} rows, {micro_batches} "
-               "micro-batches), its peak every one's; the step takes {optimizer_steps} optimizer steps, "
-               "{passes} forward/backward passes".format(**led["update"]))
+    out.append("  update: {probed} of {mini_batches} mini-batches probed ({rows} rows, "
+               "{micro_batches} micro-batches), its peak every one's; the step takes "
+               "{optimizer_steps} optimizer steps, {passes} forward/backward passes"
+               .format(**led["update"]))
     return "\n".join(out)
 
 

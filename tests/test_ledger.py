@@ -98,7 +98,7 @@ def test_one_mini_batch_peaks_as_the_whole_update(monkeypatch):
     2 micro-batches each, its tracked peaks at the ledger's scale equal a probe of every mini-batch byte for byte, in
     every phase and category, and the micro-batches it skipped are recorded with the shapes they have when run."""
     cfg = memprobe.step_config(os.path.join(ROOT, "configs/qwen2.5-3b.cfg"), gpucheck.TINY_FLAGS + [
-        "--prompts_per_step=4", "--mini_batches=3", "--micro_batch_size=2", "--omega=0"])
+        "--prompts_per_step=4", "--mini_batches=3", "--micro_batch_size=2", "--omega=0", "--max_turns=1"])
     dims = memprobe.probe_dims(gpucheck.TINY)
     scale = memprobe.probe_scale(dims, torch.float32, gpucheck.TINY, torch.float32)
     passes, loss = [], tt.ppo_loss
