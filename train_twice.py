@@ -15,7 +15,7 @@ mask 0 (as Search-R1). Deviations: DESIGN.md section 13, the one list (T2 here).
 
 The lab and the instruments use these names as an interface (tests/test_layout.py checks that they
 use no other): `Config`, `parse_config`, `main`, `Run`, `setup`, `train_step`, `ppo_loss`,
-`ppo_update`, `token_logprobs`.
+`ppo_update`, `mini_batches`, `token_logprobs`.
 
 Launch:
   python train_twice.py configs/demo.cfg   # CPU, the tiny world (make demo); --help: every option
@@ -217,8 +217,7 @@ class Run:
 # --------------------------------------------------------------------------------------------------
 # 7. Policy loss (DESIGN 6)
 
-def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False,
-                   positions=None):
+def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False, positions=None):
     """log pi(x_{k+1} | x_<=k) of softmax(logits / T) at every position k, (B, L-1); optionally its
     entropy. Chunked through the LM head (generation/logprobs.py): no (B, L, V) tensor."""
     return logprobs.token_logprobs(model, input_ids, attention_mask, temperature, with_entropy,
@@ -239,17 +238,21 @@ def diverged(step: int, what: str, value) -> FloatingPointError:  # raised befor
     return FloatingPointError(f"diverged at step {step}: {what} = {value} (lower lr, or resume)")
 
 
+def mini_batches(cfg, step: int, epoch: int, rows: int) -> list:
+    """One pass's rows in a seeded order, cut into mini_batches: an optimizer step each."""
+    order = np.random.default_rng(sampler.mix(cfg.seed, step, epoch)).permutation(rows)
+    return np.array_split(order, cfg.mini_batches)
+
+
 def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
     """ppo_epochs passes of mini_batches optimizer steps; a token mean over each mini-batch's
     loss-masked tokens on every rank; gradients accumulate over n_micro micro-batches."""
     accel, model, opt = run.accel, run.policy, run.opt
     mask = batch["loss_mask"][:, 1:].float()  # (B, L-1): position k predicts token k+1
     sums = torch.zeros(4, device=accel.device)  # loss, kl, clipped, tokens
-    lengths = batch["attention_mask"].sum(1).cpu().numpy()
-    grad_norms = []
+    lengths, grad_norms = batch["attention_mask"].sum(1).cpu().numpy(), []
     for epoch in range(cfg.ppo_epochs):
-        order = np.random.default_rng(sampler.mix(cfg.seed, step, epoch)).permutation(len(mask))
-        for mb in np.array_split(order, cfg.mini_batches):
+        for mb in mini_batches(cfg, step, epoch, len(mask)):
             n_tok = accel.reduce(mask[mb].sum(), "sum").clamp(min=1)  # the mini-batch's, all ranks
             for micro in logprobs.length_sorted_splits(lengths, mb, run.n_micro):  # little padding
                 with accel.accumulate(model):
@@ -272,18 +275,17 @@ def ppo_update(cfg, run, batch, adv, old_lp, ref_lp, step) -> dict:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                 sums += torch.stack([x.sum() for x in (loss, kl, clipped, mask[micro])]).detach()
+                del mbt, lp, ent, loss, kl, clipped, total  # each mini-batch peaks alike (ledger)
     loss, kl, clipped, tokens = accel.reduce(sums, "sum").tolist()
-    return {"loss": loss / max(tokens, 1),
-            "kl": kl / max(tokens, 1),
-            "clip_frac": clipped / max(tokens, 1),
+    n = max(tokens, 1)
+    return {"loss": loss / n, "kl": kl / n, "clip_frac": clipped / n,
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0}
 
 
 def check_finite(accel, total, step: int):
     """Every rank learns of a non-finite loss on any rank, so all stop here together (no rank is
     left waiting in the next collective)."""
-    bad = torch.tensor(float(not torch.isfinite(total)), device=accel.device)
-    bad = int(accel.reduce(bad, "sum"))
+    bad = int(accel.reduce(torch.tensor(float(not total.isfinite()), device=accel.device), "sum"))
     if bad:
         raise diverged(step, "loss", f"{total.item()} on rank {accel.process_index}; non-finite on "
                                      f"{bad} of {accel.num_processes} rank(s)")

@@ -47,6 +47,7 @@ It knows nothing of NCCL, ZeRO-2 or the retriever's index on GPUs: perf/nodechec
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -170,11 +171,13 @@ def sized(layers: int, prompts: int, fraction: float, steps: int, tiny: bool, fr
     under fraction of `free` bytes of GPU memory (None: no limit): (cfg, dims, prediction)."""
     while True:
         cfg, dims = check_config(layers, prompts, tiny, sets)
+        # the fewest prompts whose lines split into the preset's mini-batches (10: 2 prompts)
+        least = cfg.mini_batches // math.gcd(cfg.group_size, cfg.mini_batches)
         pred = ledger.build(cfg, dims, "plain", world=1, retriever=False, steps=steps)
         allocated = max(ph["allocated_gib"] for ph in pred["phases"].values()) * GIB
-        if free is None or allocated <= fraction * free or (layers == 1 and prompts == 1):
+        if free is None or allocated <= fraction * free or (layers == 1 and prompts <= least):
             return cfg, dims, pred
-        layers, prompts = max(1, layers // 2), max(1, prompts // 2)
+        layers, prompts = max(1, layers // 2), max(least, prompts // 2 // least * least)
 
 
 # --------------------------------------------------------------------------------------------------

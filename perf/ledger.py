@@ -10,8 +10,9 @@ written down.
   python -m perf.bench memory ...                         # the same command
 
 Where every figure comes from:
-  1. A probe run: the real `train_twice.train_step` (rollout, twins, log-prob passes, update,
-     optimizer step) at the preset's per-rank batch (prompts_per_step / 8 prompts x group_size
+  1. A probe run: the real `train_twice.train_step` (rollout, twins, log-prob passes, one mini-batch
+     of the update with its optimizer step: each peaks alike, memprobe.one_mini_batch; update_counts
+     states the rest) at the preset's per-rank batch (prompts_per_step / 8 prompts x group_size
      lines, its gen_batch_size, micro-batches, twin budget and chunks), on a model of the preset's
      layers (at most 12) and tiny widths in the preset's dtypes, driven by a scripted agent whose
      turns have the stated Search-R1-like lengths (memprobe.SCRIPTS), the engine sized as on CUDA
@@ -52,7 +53,7 @@ import torch
 from generation import engine
 from generation import kvcache
 from generation import logprobs
-from infra import lora
+from infra import config, lora
 from perf import memprobe
 from perf import memtrack
 import sampler
@@ -377,8 +378,9 @@ def retriever_bytes(world: int, fp16: bool = True) -> float:
 # The ledger: probe + scaling + fake passes + static, per phase
 
 def _largest(shapes, phase, kind, key):
+    """The shape of most key(shape); of those, the largest: in whatever order they were recorded."""
     rows = shapes.get((phase, kind), [])
-    return max(rows, key=key) if rows else None
+    return max(rows, key=lambda s: (key(s), s)) if rows else None
 
 
 # a prefill is measured at its new tokens and cache width rounded up to these
@@ -471,6 +473,17 @@ def config_of(cfg) -> dict:
     return {k: getattr(cfg, k) for k in MEMORY_FIELDS}
 
 
+def update_counts(cfg) -> dict:
+    """The update of a rank's step: its mini-batches (the probe runs one a pass, whose peak is
+    every one's: memprobe.one_mini_batch), their rows, micro-batches, and the optimizer steps and
+    forward/backward passes that time scales with."""
+    micro = config.micro_batches(cfg)
+    return {"mini_batches": cfg.mini_batches, "probed": 1, "micro_batches": micro,
+            "rows": cfg.prompts_per_step * cfg.group_size // cfg.mini_batches,
+            "optimizer_steps": cfg.ppo_epochs * cfg.mini_batches,
+            "passes": cfg.ppo_epochs * cfg.mini_batches * micro}
+
+
 def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=True, threads=1,
           steps=1) -> dict:
     """The ledger of one rank of `world` training with cfg (its per-rank batch) on a `dims` model (a
@@ -535,13 +548,13 @@ def build(cfg, dims, strategy="zero2", world=8, script="search-r1", retriever=Tr
         "gpu_gib": 80, "peak_gib": phases[peak]["total_gib"], "peak_phase": peak,
         "headroom": 1 - phases[peak]["total_gib"] / 80, "strategy": strategy, "world": world,
         "params": params, "script": memprobe.SCRIPTS[script].__dict__, "phases": phases,
-        "config": config_of(cfg), "step": {
+        "config": config_of(cfg), "update": update_counts(cfg), "step": {
             k: m.get(k)
             for k in ("factual_tokens", "twin_tokens", "twins", "twin_rollouts", "turns")
         }, "episodes": cfg.prompts_per_step * cfg.group_size,
         "slot_cache_gib": slot_cache_bytes(cfg, dims, half) / GIB,
         **({"vllm_kv_need_gib": vllm_kv_need(cfg, dims, half) / GIB} if vllm else {}), "shapes": {
-            f"{ph}:{kind}": max(v, key=lambda s: s[0] * s[-1])
+            f"{ph}:{kind}": max(v, key=lambda s: (s[0] * s[-1], s))
             for (ph, kind), v in probe["shapes"].items()
         }
     }
@@ -622,6 +635,10 @@ def show(name: str, led: dict) -> str:
         f"  peak {led['peak_gib']:.1f} GiB ({led['peak_phase']}) of {led['gpu_gib']}: headroom "
         f"{100 * led['headroom']:.1f}% ({'fits' if led['headroom'] >= 0.10 else 'DOES NOT FIT'} with 10%)"
     )
+    out.append("  update: {probed} of {mini_batches} mini-batches probed ({rows} rows, "
+               "{micro_batches} micro-batches), its peak every one's; the step takes "
+               "{optimizer_steps} optimizer steps, {passes} forward/backward passes"
+               .format(**led["update"]))
     return "\n".join(out)
 
 

@@ -7,7 +7,8 @@ The scripted agent: a random model's turns are forced to the lengths and actions
 the same token counts whatever the model: filler words drawn with the keyed noise, then `<search> w
 </search>` or `<answer> w </answer>`; a ScriptedRetriever returns documents of the script's
 observation length, their ids from the query. Everything else (the engine, the twins, collate, the
-log-prob passes, the update) is the training code itself.
+log-prob passes, the update) is the training code itself; of the update, one mini-batch a pass
+runs (one_mini_batch: each peaks alike).
 
 The engine as on a GPU (as_on_gpu): its slot cache of gen_batch_size slots holds max_context + 1
 positions each (kvcache.cache_bytes), as CUDA allocates it, not the CPU's smaller size.
@@ -37,7 +38,7 @@ from perf import memtrack
 import protocol
 import sampler
 import train_twice as tt
-from infra import weights
+from infra import config, weights
 
 PROBE = dict(hidden_size=24, intermediate_size=48, num_attention_heads=3, num_key_value_heads=1,
              # kv (b, 1, n, 8), hidden (.., 24): told apart
@@ -373,6 +374,43 @@ def phases(tracker, run, shapes, virtual=None):
         yield
 
 
+@contextlib.contextmanager
+def one_mini_batch(shapes):
+    """train_twice.ppo_update runs one of its mini-batches per pass: the one holding the micro-batch
+    of most rows x width. The micro-batches of the others go into shapes[("update", "scored")] as if
+    run: (rows, width, scored positions), as phases() records a pass. Its peak is the whole update's,
+    whatever the number of mini-batches: each micro-batch's tensors die before the next is cut
+    (ppo_update), gradients die at each optimizer step (zero_grad(set_to_none=True)), AdamW's state
+    is made once and kept, and the step's tensors (batch, advantages, log-probs) are held once for
+    the whole update; what a micro-batch cuts from them is rows x width (logprobs.trimmed). That
+    micro-batch is its mini-batch's last (they are sorted by length), alive during the optimizer
+    step, which so peaks there too. Passes and optimizer steps, and so time, scale with the count
+    (ledger.update_counts). tests/test_ledger.py checks it against a probe of every mini-batch (on
+    its step, probing the first one instead gives 4% less in the update, 3% in the optimizer step)."""
+    update, split = tt.ppo_update, tt.mini_batches
+
+    def ppo_update(cfg, run, batch, *args):
+        lengths = batch["attention_mask"].cpu().numpy().sum(1)  # numpy: nothing the tracker counts
+        loss_mask = batch["loss_mask"].cpu().numpy()
+
+        def shape(micro):  # the pass's (rows, width, scored) as ppo_update cuts and scores it
+            width = int(lengths[micro].max())
+            return len(micro), width, int(loss_mask[micro, 1:width].sum())
+
+        def probed(cfg, step, epoch, rows):
+            batches = split(cfg, step, epoch, rows)
+            plans = [[shape(m) for m in logprobs.length_sorted_splits(lengths, mb, run.n_micro)]
+                     for mb in batches]
+            pick = max(range(len(plans)), key=lambda i: max([r * w for r, w, _ in plans[i]] or [0]))
+            shapes.setdefault(("update", "scored"), []).extend(
+                s for i, plan in enumerate(plans) if i != pick for s in plan)
+            return [batches[pick]]
+        with patched(tt, "mini_batches", probed):
+            return update(cfg, run, batch, *args)
+    with patched(tt, "ppo_update", ppo_update):
+        yield
+
+
 def step_config(preset: str, overrides=()) -> tt.Config:
     """The preset's config at one rank's share (prompts_per_step / 8), every path blank."""
     # prompts: set below, after the checks
@@ -409,10 +447,10 @@ def make_run(cfg, dims, dtype, tok, rows, retriever, mixed="no", attention="sdpa
     from transformers.modeling_utils import AttentionInterface
     AttentionInterface.register("probe", _no_attention)
     # a larger vocabulary than the script's may be asked
-    config = Qwen2Config(**{"vocab_size": len(tok), **dims})
-    policy = Qwen2ForCausalLM._from_config(config, dtype=dtype,
+    shape = Qwen2Config(**{"vocab_size": len(tok), **dims})
+    policy = Qwen2ForCausalLM._from_config(shape, dtype=dtype,
                                            attn_implementation=attention).eval()
-    ref = Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16 if cfg.bf16 else dtype,
+    ref = Qwen2ForCausalLM._from_config(shape, dtype=torch.bfloat16 if cfg.bf16 else dtype,
                                         attn_implementation=attention).eval()
     ref.load_state_dict(policy.state_dict())
     ref = ref.to(accel.device).requires_grad_(False)
@@ -420,8 +458,7 @@ def make_run(cfg, dims, dtype, tok, rows, retriever, mixed="no", attention="sdpa
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     policy, opt = accel.prepare(policy, opt)
-    n_micro = math.ceil(cfg.prompts_per_step * cfg.group_size // cfg.mini_batches /
-                        cfg.micro_batch_size)
+    n_micro = config.micro_batches(cfg)  # as setup(): a batch that does not split is refused
     return tt.Run(accel, policy, ref, tok, retriever, opt, methods.make(cfg),
                   credit.DiscordancePredictor(),
                   credit.DiscordancePredictor(features=forks.TOKEN_FEATURES),
@@ -430,10 +467,11 @@ def make_run(cfg, dims, dtype, tok, rows, retriever, mixed="no", attention="sdpa
 
 
 def run_steps(cfg, dims, dtype, script, steps=1, scale=None, block=1, mixed="no", threads=1,
-              attention="sdpa", virtual=None, position_bytes=None) -> dict:
+              attention="sdpa", virtual=None, position_bytes=None, every_mini_batch=False) -> dict:
     """`steps` train_steps of a scripted run under a Tracker; the last step's per-phase peaks
-    (scaled totals and their categories), the largest forward shapes, and the step's counters.
-    virtual: see phases; position_bytes: see as_on_gpu."""
+    (scaled totals and their categories), the shapes of its forwards, and the step's counters.
+    virtual: see phases; position_bytes: see as_on_gpu. The update runs one mini-batch a pass
+    (one_mini_batch); every_mini_batch: all of them."""
     torch.set_num_threads(threads)
     tok = script_tokenizer()
     run = make_run(cfg, dims, dtype, tok, script_rows(tok, script, cfg.prompts_per_step),
@@ -453,6 +491,7 @@ def run_steps(cfg, dims, dtype, script, steps=1, scale=None, block=1, mixed="no"
             tracker.tag(
                 [s for st in run.opt.state.values()
                  for s in st.values() if torch.is_tensor(s)], "optimizer/other")
-            with phases(tracker, run, shapes, virtual):
+            with contextlib.nullcontext() if every_mini_batch else one_mini_batch(shapes), \
+                    phases(tracker, run, shapes, virtual):
                 metrics = tt.train_step(cfg, run, step)
     return {"peaks": tracker.peaks, "shapes": shapes, "metrics": metrics}

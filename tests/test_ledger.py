@@ -95,6 +95,35 @@ def test_a_probe_measures_a_wider_model_exactly():
             assert got > 0 and abs(got - sum(v for k, v in b.items() if k.startswith(owner))) < 1e-6 * got, phase
 
 
+def test_one_mini_batch_peaks_as_the_whole_update(monkeypatch):
+    """The ledger's probe runs one mini-batch of the update (memprobe.one_mini_batch): on a step of 3 mini-batches of
+    2 micro-batches each, its tracked peaks at the ledger's scale equal a probe of every mini-batch byte for byte, in
+    every phase and category, and the micro-batches it skipped are recorded with the shapes they have when run."""
+    cfg = memprobe.step_config(os.path.join(ROOT, "configs/qwen2.5-3b.cfg"), gpucheck.TINY_FLAGS + [
+        "--prompts_per_step=4", "--mini_batches=3", "--micro_batch_size=2", "--omega=0", "--max_turns=1"])
+    dims = memprobe.probe_dims(gpucheck.TINY)
+    scale = memprobe.probe_scale(dims, torch.float32, gpucheck.TINY, torch.float32)
+    passes, loss = [], tt.ppo_loss
+    monkeypatch.setattr(tt, "ppo_loss", lambda *a, **k: passes.append(1) or loss(*a, **k))
+    runs = []
+    for every in (True, False):
+        passes.clear()
+        runs.append(memprobe.run_steps(cfg, dims, torch.float32, memprobe.SCRIPTS["search-r1"], scale=scale,
+                                       attention="probe", every_mini_batch=every))
+        runs[-1]["passes"] = len(passes)
+    every, one = runs
+    assert (every["passes"], one["passes"]) == (6, 2) and ledger.update_counts(cfg)["passes"] == 6
+    assert every["peaks"].keys() == one["peaks"].keys() == set(ledger.PHASES)
+    for phase in ledger.PHASES:  # categories the ledger counts 0 (taken from elsewhere) left out
+        a, b = ({k: v for k, v in run["peaks"][phase]["bytes"].items() if v} for run in (every, one))
+        assert every["peaks"][phase]["total"] == one["peaks"][phase]["total"] > 0 and a == b, phase
+    assert every["peaks"]["update"]["total"] > every["peaks"]["logprobs"]["total"]  # the update's own tensors
+    update = every["shapes"]["update", "scored"]
+    assert sorted(update) == sorted(one["shapes"]["update", "scored"]) and len(update) == 6
+    widest = max(range(6), key=lambda i: update[i][0] * update[i][1])
+    assert widest >= 2, update  # the probed mini-batch is not the first: the one holding the widest micro-batch
+
+
 def test_scripted_turns_have_the_scripts_lengths():
     tok, script = memprobe.script_tokenizer(), memprobe.SCRIPTS["search-r1"]
     rows = memprobe.script_rows(tok, script, 3)
