@@ -354,7 +354,7 @@ train-2nodes: install install-gpu
 # The ledger: each preset's per-rank GPU memory per phase and category, from the code (python -m perf.ledger; minutes on one
 # CPU thread); `make memory` rewrites memory.json and README's table. The first-GPU check: the ledger's prediction
 # against one GPU's allocator, decode tokens/s and one update's time, in runs/gpu_check.json (<= 8 minutes; ARGS=--tiny:
-# the same code on the CPU, <= 2 minutes).
+# the same code on the CPU, <= 2 minutes). With vLLM installed, engine=vllm's figure on each model runner (V1, then V2).
 # GPUS=8: then the node check (perf/nodecheck.py: NCCL all-reduce, a ZeRO-2 step, the index shards on every GPU)
 GPUS       ?= 1
 NODE_CHECK  = $(qVENV)/bin/torchrun --standalone
@@ -365,6 +365,7 @@ memory: install
 gpu-check: install $(if $(findstring --tiny,$(ARGS)),,cuda-check)
 	$(qPY) -m perf.gpucheck --out runs/gpu_check.json $(ARGS)
 	if $(qPY) -c "import vllm" 2>/dev/null; then \
-	  $(qPY) -m perf.bench_vllm $(if $(findstring --tiny,$(ARGS)),--tiny,--gpu) --json runs/gpu_check_vllm.json; \
+	  $(qPY) -m perf.bench_vllm $(if $(findstring --tiny,$(ARGS)),--tiny,--gpu) --json runs/gpu_check_vllm.json \
+	  $(if $(findstring --tiny,$(ARGS)),,&& $(qPY) -m perf.bench_vllm --gpu --runner v2 --json runs/gpu_check_vllm_v2.json); \
 	else echo "== no vLLM here (make install-gpu installs it): no engine=vllm figure"; fi
 	$(if $(filter-out 1,$(GPUS)),$(NODE_CHECK) --nproc_per_node $(GPUS) -m perf.nodecheck --out runs/node_check.json)
