@@ -1,7 +1,9 @@
 """engine=vllm (generation/vllm_engine.py): vLLM's tokens are the keyed draws. perf/bench_vllm.py runs every kind of
 draw through vLLM and through the cached engine on the same weights, in a process of its own (vLLM binds the process's
 threads); these tests read its figures. A 2-step training run with engine=vllm samples the same tokens as one with the
-cached engine. The processor's core (catch_up, draw, finish) is tested here without vLLM."""
+cached engine. The processor's core (catch_up, draw, finish) is tested here without vLLM; KeyedProcessorV2 (Model Runner
+V2, vLLM's GPU default) on FakeV2, a V2 runner made of vLLM's own V2 loader and state; the engine's start with vLLM
+stubbed at its config and LLM, and once for real (V2 refused on a CPU, in seconds)."""
 import json
 import math
 import os
