@@ -187,10 +187,8 @@ class FakeV2:
 
     def __init__(self, model, kw):
         import numpy as np
-        import vllm.v1.worker.gpu.buffer_utils as buffers
         from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors
         from vllm.v1.worker.gpu.states import RequestState
-        buffers.is_uva_available = lambda: False  # no pinned memory on a CPU: vLLM's own fallback
         self.model, self.max_seqs, self.rng = model, kw["max_num_seqs"], np.random.default_rng(0)
         self.state = RequestState(kw["max_num_seqs"], kw["max_model_len"], 8192, 0, model.config.vocab_size,
                                   torch.device("cpu"))
@@ -278,6 +276,7 @@ def v2(tmp_path_factory):
     end in all three ways): factual episodes, coupled twins, token forks, mid-turn replays and text-line keys, each as
     (rows, rows with the same tokens); and what the fake went through. One torch thread: a few seconds."""
     import vllm
+    import vllm.v1.worker.gpu.buffer_utils as buffers
     from vllm.engine.arg_utils import EngineArgs
     import retriever
     import rollout
@@ -299,6 +298,7 @@ def v2(tmp_path_factory):
         mp.setattr(EngineArgs, "create_engine_config", lambda self, *a, **k: types.SimpleNamespace(
             use_v2_model_runner=True))
         mp.setattr(vllm, "LLM", lambda **kw: FakeV2(model, kw))
+        mp.setattr(buffers, "is_uva_available", lambda: False)  # no pinned memory on a CPU: vLLM's own fallback
         engine = VLLMEngine(path, model, proto.max_context, kv_gib=0.25, max_num_seqs=4)
 
         def episodes(m, proto=proto):
