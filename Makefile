@@ -356,6 +356,7 @@ train-2nodes: install install-gpu
 # decode tokens/s and host syncs with and without CUDA graphs, the keyed draw's agreement between batch sizes and its
 # overhead against plain sampling, one train step's memory per phase against the ledger, in runs/gpu_check.json
 # (<= 9 minutes on one H100; ARGS=--tiny: the same code on the CPU).
+# With vLLM installed, engine=vllm's figure on each model runner (V1, then V2).
 # NO_INSTALL=1: a bare CUDA machine (no network): $(PYTHON)'s own torch (>= 2.11), nothing installed, --bare.
 # GPUS=8: then the node check (perf/nodecheck.py: NCCL all-reduce, a ZeRO-2 step, the index shards on every GPU)
 GPUS       ?= 1
@@ -368,6 +369,7 @@ memory: install
 gpu-check: $(if $(NO_INSTALL),,install $(if $(findstring --tiny,$(ARGS)),,cuda-check))
 	$(CHECK_PY) -m perf.gpucheck --out runs/gpu_check.json $(if $(NO_INSTALL),--bare) $(ARGS)
 	if $(CHECK_PY) -c "import vllm" 2>/dev/null; then \
-	  $(CHECK_PY) -m perf.bench_vllm $(if $(findstring --tiny,$(ARGS)),--tiny,--gpu) --json runs/gpu_check_vllm.json; \
+	  $(CHECK_PY) -m perf.bench_vllm $(if $(findstring --tiny,$(ARGS)),--tiny,--gpu) --json runs/gpu_check_vllm.json \
+	  $(if $(findstring --tiny,$(ARGS)),,&& $(CHECK_PY) -m perf.bench_vllm --gpu --runner v2 --json runs/gpu_check_vllm_v2.json); \
 	else echo "== no vLLM here (make install-gpu installs it): no engine=vllm figure"; fi
 	$(if $(filter-out 1,$(GPUS)),$(NODE_CHECK) --nproc_per_node $(GPUS) -m perf.nodecheck --out runs/node_check.json)

@@ -85,6 +85,7 @@ class Config(methods.BaselineConfig):
     vllm_kv_gib: float = 1.0        # engine=vllm: its KV pool per rank (GiB; perf/ledger.py sizes it)
     vllm_max_seqs: int = 64         # engine=vllm: rows decoded at once
     vllm_batch_invariant: bool = False  # engine=vllm: VLLM_BATCH_INVARIANT=1 (beta, GPUs)
+    vllm_runner: str = "v1"         # engine=vllm: vLLM's model runner, "v1" or "v2" (DESIGN 13, V3)
     # --- credit (DESIGN 5, 7) ---
     method: str = "twice"           # twice, or a baseline of the registry (grpo, vineppo, ...)
     omega: float = 1.0              # omega, weight of the twin credit; 0 = GRPO (method=grpo)
@@ -169,7 +170,7 @@ class Config(methods.BaselineConfig):
         unit = ("top_p", "q_min", "fork_floor")  # fractions and probabilities in (0, 1]
         choices = {"budget_rule": ("sqrt", "uniform"), "twin_unit": ("turn", "token"),
                    "twin_scale": ("d", "rms"), "line_keys": ("group", "text"),
-                   "engine": ("cached", "generate", "vllm")}
+                   "engine": ("cached", "generate", "vllm"), "vllm_runner": ("v1", "v2")}
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                 [(k, getattr(self, k) > v, f"> {v}") for k, v in above.items()] +
                 [(k, 0 < getattr(self, k) <= 1, "in (0, 1]") for k in unit] +
@@ -437,7 +438,7 @@ def setup(cfg: Config, watch: bool = False) -> Run:
     qa_eval.refuse_long_prompts(rows, tok, cfg.max_context, cfg.max_new_tokens, cfg.train_data)
     rollouts = vllm_engine.VLLMEngine(
         cfg.model, accel.unwrap_model(policy), cfg.max_context, cfg.vllm_kv_gib, cfg.vllm_max_seqs,
-        cfg.vllm_batch_invariant, torch.bfloat16 if cfg.bf16 else None) \
+        cfg.vllm_batch_invariant, torch.bfloat16 if cfg.bf16 else None, cfg.vllm_runner) \
         if cfg.engine == "vllm" else None
     return Run(accel, policy, ref, tok, qa_eval.load_retriever(cfg.index, cfg.retriever_url), opt,
                methods.make(cfg), credit.DiscordancePredictor(),

@@ -8,10 +8,10 @@ every factual turn, twin, token fork, Monte Carlo continuation and baseline bran
 goes through it unchanged.
 
 Exact by construction. Every request is sent with temperature 0 and `extra_args = {"twice": tag}`;
-a logits processor (KeyedProcessor, vLLM's V1 interface) finds the tag's Row, brings it up to the
-request's output tokens (rows.advance: text-line state) and draws the next token with the project's
-own sampler.keyed_draw at rows.noise(row) (key, position in the turn, banned token), then leaves
-that one token finite, so vLLM's greedy pick is the keyed draw. Positions count within the turn
+a logits processor finds the tag's Row, brings it up to the request's output tokens (catch_up:
+rows.advance's text-line state) and draws the next token with the project's own
+sampler.keyed_draw at rows.noise(row) (key, position in the turn, banned token), then leaves that
+one token finite (draw), so vLLM's greedy pick is the keyed draw. Positions count within the turn
 (each turn its own request), so the noise is the cached engine's whatever the context, batch,
 order or cache. vLLM's own seeded sampler keys by absolute position and could not couple twins.
 Stops: the processor applies the project's StopRule (generation/stops.py) to each token; a row
@@ -21,15 +21,27 @@ the rule to the returned tokens and checks each against the processor's own draw
 entropies are the draw's, recorded by the processor (the trainer recomputes its log-probs as
 always).
 
+Two model runners, one core. vLLM 0.32 runs a logits processor through one of two interfaces:
+its V1 model runner's (requests by batch index, each with its list of output tokens: the CPU
+backend's runner, where the engine is tested against vLLM itself) and Model Runner V2's (requests
+by slot; tokens in the runner's slot buffers; vLLM's default on GPUs). KeyedProcessor and
+KeyedProcessorV2 differ only in how they find a request's new tokens; catch_up and draw are
+shared. The engine asks for the runner of `runner` (VLLM_USE_V2_MODEL_RUNNER), reads the one vLLM
+picks for its arguments before anything loads, and hands vLLM that runner's processor; a refusal
+stops the start in seconds with a message naming the runner and `--engine=cached`.
+
+It knows nothing of the trainer beyond the policy's weights and the GPU memory free when it
+starts (startup_share), and on GPUs it runs on cuda:0 only (first_gpu_only).
+
 Deviations (DESIGN.md section 13; `# DEVIATION V<n>:` where they act):
   V1. A stop string costs one more decode step (the forced EOS, dropped), as vLLM ends a request
       only at a stop token, a stop string or its budget; vLLM's own stop strings would detokenize
       with its copy of the tokenizer, not the project's rule.
   V2. Logits come from vLLM's kernels: equal to the transformers model's up to float rounding, so a
       draw at an exact near-tie could differ from the cached engine (none did in the tests).
-  V3. The V1 model runner: the processor is written to the interface vLLM runs on a CPU, where it
-      is tested; on GPUs vLLM 0.32 defaults to Model Runner V2, whose processor interface differs,
-      so the engine sets VLLM_USE_V2_MODEL_RUNNER=0 and refuses to start on V2.
+  V3. The model runner: the V1 runner by default (its processor is tested against vLLM itself, on
+      the CPU backend, which runs V1's code); V2's processor is tested against a faked V2 batch
+      built from vLLM's own runner state, not yet on a GPU.
 """
 import contextlib
 import itertools
@@ -47,6 +59,7 @@ from sampler import _signed, keyed_draw
 # engine: the processor runs in this process)
 PENDING = {}
 _TAGS = itertools.count(1)
+RUNNERS = {"v1": "0", "v2": "1"}  # the engine's runner -> VLLM_USE_V2_MODEL_RUNNER
 
 
 @dataclass
@@ -60,13 +73,17 @@ class Request:
     drawn: dict = field(default_factory=dict)   # position in the turn -> token drawn
     forced: int = -1         # position of the forced EOS (-1: none)
 
+    @property
+    def held(self) -> int:
+        """How many of vLLM's output tokens the row holds (its turn's tokens past the given)."""
+        return len(self.row.ids) - self.row.given
 
-def catch_up(req, out):
-    """Bring req's row up to the request's output tokens `out` (a list vLLM keeps growing): append
-    and advance by the new ones, drop records of draws vLLM discarded (a chunked prefill's), and
-    note whether its text has just completed a stop string."""
+
+def catch_up(req, new):
+    """Bring req's row up to its request: append and advance by `new` (vLLM's output tokens past
+    req.held), drop records of draws vLLM discarded (a chunked prefill's), and note whether its
+    text has just completed a stop string."""
     r = req.row
-    new = list(out[len(r.ids) - r.given:])
     for tok in new:
         r.ids.append(tok)
         advance(r, tok)
@@ -107,19 +124,25 @@ def _one_finite(logits, idx, token):
     logits[idx, token] = 0.0
 
 
-_PROCESSOR = []
+_PROCESSORS = {}
 
 
-def processor_class():
-    """KeyedProcessor, a vLLM V1 logits processor over PENDING's requests (built on first use:
-    vLLM is imported only by runs that ask for it)."""
-    if _PROCESSOR:
-        return _PROCESSOR[0]
+def processor_class(runner: str):
+    """The keyed processor for vLLM's model runner `runner` ("v1" or "v2"), built on first use
+    (vLLM is imported only by runs that ask for it)."""
+    if runner not in _PROCESSORS:
+        _PROCESSORS[runner] = {"v1": _v1_class, "v2": _v2_class}[runner]()
+    return _PROCESSORS[runner]
+
+
+def _v1_class():
     from vllm.v1.sample.logits_processor import LogitsProcessor
     from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
     class KeyedProcessor(LogitsProcessor):
-        """Keyed Gumbel-max draws for requests with extra_args["twice"]; others pass untouched."""
+        """Keyed Gumbel-max draws for requests with extra_args["twice"], through the V1 runner's
+        interface (vllm/v1/sample/logits_processor/interface.py): requests by batch index, each
+        with the list of its output tokens that vLLM keeps growing. Others pass untouched."""
 
         def __init__(self, vllm_config, device, is_pin_memory):
             self.reqs = {}  # batch index -> (Request, its output token list)
@@ -137,11 +160,64 @@ def processor_class():
             if not self.reqs:
                 return logits
             for req, out in self.reqs.values():
-                catch_up(req, out)
+                catch_up(req, out[req.held:])
             return draw(logits, [(i, req) for i, (req, _) in self.reqs.items()])
 
-    _PROCESSOR.append(KeyedProcessor)
     return KeyedProcessor
+
+
+def _v2_class():
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+    class KeyedProcessorV2(LogitsProcessor):
+        """The same draws through Model Runner V2's interface
+        (vllm/v1/worker/gpu/sample/logits_processor/interface.py): requests by slot, claimed in
+        add_request (slots are reused: each claim replaces the slot's last), their tokens read
+        from the runner's slot buffers (new_tokens). Others pass untouched."""
+
+        def __init__(self, vllm_config, req_states):
+            self.state = req_states  # LogitsProcRequestState: read only
+            self.reqs = {}           # slot -> Request
+
+        def add_request(self, req_idx, sampling_params) -> bool:
+            tag = (sampling_params.extra_args or {}).get("twice")
+            self.reqs.pop(req_idx, None)
+            if tag is not None:
+                self.reqs[req_idx] = PENDING[tag]
+            return tag is not None
+
+        def apply(self, logits, ctx):
+            slots = ctx.idx_mapping_np.tolist()  # batch position -> slot, on the host
+            picks = [(i, self.reqs[s]) for i, s in enumerate(slots) if s in self.reqs]
+            if not picks:
+                return logits
+            # speculative decoding gives a request a row per draft token; the engine sets none
+            assert logits.shape[0] == len(slots), \
+                f"KeyedProcessorV2: {logits.shape[0]} logits rows for {len(slots)} requests"
+            ours = [slots[i] for i, _ in picks]
+            for (_, req), new in zip(picks, new_tokens(self.state, ours, [q for _, q in picks])):
+                catch_up(req, new)
+            return draw(logits, picks)
+
+    return KeyedProcessorV2
+
+
+def new_tokens(state, slots, reqs) -> list:
+    """Model Runner V2: each slot's output tokens past its Request's `held`. The runner keeps a
+    request's prompt, then its committed outputs, in all_token_ids[slot] up to total_len[slot]
+    (vllm/v1/worker/gpu/states.py; post_update appends each sampled token); prompt_len is on the
+    host. One gather and two read-backs for the whole batch."""
+    dev = state.total_len.gpu.device
+    ends = state.total_len.gpu[torch.tensor(slots, device=dev)].tolist()
+    starts = [int(state.prompt_len.np[s]) + q.held for s, q in zip(slots, reqs)]
+    for s, a, b, q in zip(slots, starts, ends, reqs):
+        assert a <= b, f"turn key {q.row.key}: slot {s} holds {b} tokens, the row {a}"
+    rows = [s for s, a, b in zip(slots, starts, ends) for _ in range(a, b)]
+    cols = [c for a, b in zip(starts, ends) for c in range(a, b)]
+    flat = state.all_token_ids.gpu[torch.tensor(rows, dtype=torch.long, device=dev),
+                                   torch.tensor(cols, dtype=torch.long, device=dev)].tolist()
+    cuts = list(itertools.accumulate([0] + [b - a for a, b in zip(starts, ends)]))
+    return [flat[i:j] for i, j in zip(cuts, cuts[1:])]
 
 
 def finish(req, out, reason):
@@ -179,28 +255,31 @@ class VLLMEngine:
     path: the policy's HF folder (config and first weights; ready() overwrites the weights).
     kv_gib: the KV pool (vLLM's kv_cache_memory_bytes; the memory ledger's `vllm_kv`, perf/ledger.py).
     max_num_seqs: rows decoded at once. batch_invariant: VLLM_BATCH_INVARIANT=1 (beta; process-wide
-    kernel and NCCL settings), so a row's logits do not depend on its batch."""
+    kernel and NCCL settings), so a row's logits do not depend on its batch. runner: the model
+    runner to ask vLLM for, "v1" or "v2" (`self.runner`: the one it runs)."""
 
     def __init__(self, path: str, model, max_context: int, kv_gib: float = 1.0,
-                 max_num_seqs: int = 64, batch_invariant: bool = False, dtype=None):
+                 max_num_seqs: int = 64, batch_invariant: bool = False, dtype=None,
+                 runner: str = "v1"):
+        assert runner in RUNNERS, f"vllm_runner={runner!r}: one of {', '.join(RUNNERS)}"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the processor reads PENDING
-        # DEVIATION V3: the V1 model runner, the one the processor is written and tested for
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        # DEVIATION V3: V1 unless asked; vLLM may override the variable (start() reads its pick)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = RUNNERS[runner]
         if batch_invariant:
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
-        from vllm import LLM
         self.config, self.generation_config = model.config, model.generation_config
-        self.cuda = next(model.parameters()).is_cuda
+        device = next(model.parameters()).device
+        self.cuda = device.type == "cuda"
         dtype = dtype or next(model.parameters()).dtype  # LoRA: its base's (the first parameter)
+        args = dict(model=path, skip_tokenizer_init=True, dtype=str(dtype).split(".")[-1],
+                    max_model_len=max_context, enable_prefix_caching=True, async_scheduling=False,
+                    kv_cache_memory_bytes=int(kv_gib * 2 ** 30), max_num_seqs=max_num_seqs,
+                    enable_sleep_mode=self.cuda, seed=0)
+        if self.cuda:
+            first_gpu_only(device)
+            args["gpu_memory_utilization"] = startup_share(*torch.cuda.mem_get_info(device))
         with _hidden("llvmlite"):
-            self.llm = LLM(model=path, skip_tokenizer_init=True, dtype=str(dtype).split(".")[-1],
-                           max_model_len=max_context, enable_prefix_caching=True,
-                           async_scheduling=False, kv_cache_memory_bytes=int(kv_gib * 2 ** 30),
-                           max_num_seqs=max_num_seqs, logits_processors=[processor_class()],
-                           enable_sleep_mode=self.cuda, seed=0)
-        if self.llm.llm_engine.vllm_config.use_v2_model_runner:
-            raise RuntimeError("vLLM chose Model Runner V2, whose logits processors differ from "
-                               "the V1 interface KeyedProcessor implements")
+            self.llm, self.runner = start(args, runner)
         self.vocab, self.asleep = self.config.vocab_size, False
 
     def generate_turn(self, tokenizer, episodes, proto) -> list:
@@ -262,6 +341,57 @@ class VLLMEngine:
         """Shut the engine down while the run's process group still exists (its own groups are
         destroyed with it; at interpreter exit they would outlive accelerate's)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def start(args: dict, runner: str):
+    """(vllm.LLM over args, the runner it runs) with the keyed processor of the model runner vLLM
+    picks for args: VllmConfig.use_v2_model_runner (vllm/config/vllm.py), read off the config
+    that args make before anything loads. VLLM_USE_V2_MODEL_RUNNER decides it unless a feature
+    forces V2 (HiSparse, watermarking; the engine sets neither). A refusal by vLLM (V2 without
+    Triton, as on a CPU; too little free memory) stops the start in seconds, with the fallback."""
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+    picked = runner
+    try:
+        picked = "v2" if EngineArgs(**args).create_engine_config().use_v2_model_runner else "v1"
+        if picked != runner:
+            print(f"engine=vllm: vLLM picked Model Runner {picked.upper()} (vllm_runner={runner} "
+                  f"asked); the engine follows it", flush=True)
+        llm = LLM(**args, logits_processors=[processor_class(picked)])
+    except ValueError as e:  # vLLM's refusals (pydantic's ValidationError is a ValueError)
+        raise RuntimeError(refusal(picked, runner, str(e))) from e
+    live = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+    if live != picked:
+        llm.llm_engine.engine_core.shutdown()
+        raise RuntimeError(refusal(live, runner, f"its arguments resolved to Model Runner "
+                                                 f"{picked.upper()}, whose processor it holds"))
+    return llm, picked
+
+
+def refusal(picked: str, asked: str, why: str) -> str:
+    """The message of a start that cannot go on: the runner, why, and the ways around it."""
+    other = "v1" if picked == "v2" else "v2"
+    return (f"engine=vllm: vLLM 0.32 stopped at start-up on Model Runner {picked.upper()} "
+            f"(vllm_runner={asked} asked): {why}\nRun with --engine=cached (the same keyed "
+            f"draws), or try --vllm_runner={other}.")
+
+
+def startup_share(free: int, total: int) -> float:
+    """gpu_memory_utilization for vLLM's start-up check, nine tenths of the device's free share.
+    vLLM 0.32 refuses to start when less than gpu_memory_utilization x total is free
+    (vllm/v1/worker/utils.py request_memory), kv_cache_memory_bytes set or not; colocated with the
+    trainer, its default 0.92 is not free. With the pool's bytes given, nothing else reads it."""
+    return 0.9 * free / total
+
+
+def first_gpu_only(device):
+    """Stop if the policy is not on cuda:0. vLLM 0.32's in-process engine takes device
+    torch.device("cuda") (vllm/config/device.py), so local rank 0 (uniproc_executor.py), cuda:0,
+    and makes it the process's current device: on rank r > 0 it would share GPU 0."""
+    if device.index not in (None, 0):
+        raise RuntimeError(f"engine=vllm: the policy is on {device}, and vLLM 0.32's in-process "
+                           f"engine would start on cuda:0 beside rank 0's. On several GPUs run "
+                           f"with --engine=cached (the same keyed draws).")
 
 
 @contextlib.contextmanager

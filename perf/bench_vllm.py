@@ -4,6 +4,7 @@ decode tokens per second of both.
 
   python -m perf.bench_vllm --world worlds/tiny-0 --json F     the CPU checks and the speed ratio
   python -m perf.bench_vllm --gpu --json F                      the first-GPU check's figures (vllm_figure)
+  python -m perf.bench_vllm --gpu --runner v2 --json F          the same on vLLM's Model Runner V2
 
 It runs in a process of its own (tests/test_vllm.py starts it): vLLM sets the process's torch
 threads and CPU binding. The tiny worlds' policies have head_dim 16, which vLLM's CPU attention
@@ -159,7 +160,7 @@ def speed(model, engine, tok, rows, proto, group: int = 8, reps: int = 2) -> dic
 
 def vllm_figure(shape: str = "3b", rows: int = 320, slots: int = 64, length: int = 80,
                 max_context: int = 4096, top_p: float = 0.95, kv_gib: float = 18,
-                device: str = "cuda") -> dict:
+                device: str = "cuda", runner: str = "v1") -> dict:
     """engine=vllm's GPU figures, for the first-GPU check: a random Qwen2.5-`shape`-shaped model in
     bf16 (near-uniform logits: turns run to `length` tokens; bench_engine's EOS-biased head has a
     bias vLLM's Qwen2 does not load), one decoded turn of `rows` episodes (one rank's share of the
@@ -167,8 +168,9 @@ def vllm_figure(shape: str = "3b", rows: int = 320, slots: int = 64, length: int
     engine (gen_batch_size = slots), each after a warm-up turn: tok_s of both,
     the share of rows whose tokens agree (bf16 kernels differ: near-ties may flip), start-up and
     weight-sync seconds, and the device memory in use (mem_get_info) per phase: before vLLM,
-    awake, after the turn, asleep (sleep mode), awake again. device="cpu" with shape="tiny" runs
-    the same code (tested)."""
+    awake, after the turn, asleep (sleep mode), awake again; runner: vLLM's model runner asked
+    for (the figure records the one that ran). device="cpu" with shape="tiny" runs the same code
+    (tested; V1 only: vLLM's V2 runner needs Triton, which has no CPU backend)."""
     import torch
     from transformers import Qwen2Config
     from generation import engine as cached
@@ -192,8 +194,9 @@ def vllm_figure(shape: str = "3b", rows: int = 320, slots: int = 64, length: int
     out = {"shape": shape, "rows": rows, "slots": slots, "kv_gib": kv_gib,
            "memory_gib": {"before": used()}}
     t0 = time.perf_counter()
-    eng = VLLMEngine(work, model, max_context, kv_gib, slots)
+    eng = VLLMEngine(work, model, max_context, kv_gib, slots, runner=runner)
     out["start_s"], out["memory_gib"]["awake"] = time.perf_counter() - t0, used()
+    out["runner"] = eng.runner
     proto = Protocol(max_new_tokens=length, max_context=max_context, gen_batch_size=slots,
                      top_p=top_p)
     questions = [{"id": f"g{i}", "question": f"question {i}", "golden_answers": ["x"]}
@@ -224,9 +227,9 @@ def vllm_figure(shape: str = "3b", rows: int = 320, slots: int = 64, length: int
     eng.wake()
     out["memory_gib"]["awake_again"] = used()
     shutil.rmtree(work, ignore_errors=True)
-    print(f"vllm {shape}: {out['vllm']['tok_s']:.0f} tok/s, cached {out['cached']['tok_s']:.0f} "
-          f"(x{out['ratio']:.2f}), same rows {out['same_rows']:.3f}, sync {out['sync_s']:.2f}s, "
-          f"memory {out['memory_gib']}", flush=True)
+    print(f"vllm {shape} ({eng.runner}): {out['vllm']['tok_s']:.0f} tok/s, cached "
+          f"{out['cached']['tok_s']:.0f} (x{out['ratio']:.2f}), same rows {out['same_rows']:.3f}, "
+          f"sync {out['sync_s']:.2f}s, memory {out['memory_gib']}", flush=True)
     return out
 
 
@@ -245,11 +248,13 @@ def main(argv=None):
     ap.add_argument("--json", default="", help="write the figures here too")
     ap.add_argument("--gpu", action="store_true", help="vllm_figure at the 3B preset's shape")
     ap.add_argument("--tiny", action="store_true", help="vllm_figure at a tiny shape on the CPU")
+    ap.add_argument("--runner", default="v1", choices=("v1", "v2"),
+                    help="vLLM's model runner for vllm_figure (v2 needs a GPU)")
     args = ap.parse_args(argv)
     if args.gpu or args.tiny:
-        out = vllm_figure() if args.gpu else vllm_figure("tiny", rows=12, slots=4, length=24,
-                                                         max_context=512, kv_gib=0.25,
-                                                         device="cpu")
+        out = vllm_figure(runner=args.runner) if args.gpu else vllm_figure(
+            "tiny", rows=12, slots=4, length=24, max_context=512, kv_gib=0.25, device="cpu",
+            runner=args.runner)
     else:
         out = checks(args.world, args.questions)
     text = json.dumps(out, indent=1)
