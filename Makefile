@@ -11,17 +11,17 @@ export TOKENIZERS_PARALLELISM ?= false
 # every step leave no fragments (train_twice.py sets it too, when launched another way)
 export PYTORCH_CUDA_ALLOC_CONF ?= expandable_segments:True
 
-# Paths may hold spaces or quotes: recipes paste the q* copies below, each one shell word (single-quoted when it holds
-# anything but letters, digits and / . _ - + = : @ %, so plain paths print as they are); target and prerequisite names
-# use the t* copies (spaces escaped: make splits names at spaces). SEEDS, METHODS, CMP_CFG, TESTS are lists of words.
+# Paths may hold spaces or quotes. A recipe writes $(call q,PATH), or a q* copy below: PATH as one shell word. q deletes
+# every _safe character from PATH, one at a time (_unsafe); if anything is left, PATH is single-quoted (a ' inside
+# becomes '\''), else it prints as it is. A target name writes $(call t,PATH): make splits names at spaces, so t escapes
+# them. SEEDS, METHODS, CMP_CFG and TESTS are lists of words, never paths.
 empty :=
 space := $(empty) $(empty)
 _safe := a b c d e f g h i j k l m n o p q r s t u v w x y z A B C D E F G H I J K L M N O P Q R S T U V W X Y Z \
          0 1 2 3 4 5 6 7 8 9 / . _ - + = : @ %
-_strip = $(if $(2),$(call _strip,$(subst $(firstword $(2)),,$(1)),$(wordlist 2,$(words $(2)),$(2))),$(1))
-q = $(if $(call _strip,$(1),$(_safe)),'$(subst ','\'',$(1))',$(1))
+_unsafe = $(if $(2),$(call _unsafe,$(subst $(firstword $(2)),,$(1)),$(wordlist 2,$(words $(2)),$(2))),$(1))
+q = $(if $(call _unsafe,$(1),$(_safe)),'$(subst ','\'',$(1))',$(1))
 t = $(subst $(space),\$(space),$(1))
-qPYTHON = $(call q,$(PYTHON))
 qVENV   = $(call q,$(VENV))
 tVENV   = $(call t,$(VENV))
 qPY     = $(call q,$(PY))
@@ -41,7 +41,7 @@ install: $(tVENV)/.installed
 install-dev: $(tVENV)/.installed-dev
 
 $(tVENV)/.installed: requirements.txt requirements-base.txt
-	$(qPYTHON) -m venv $(qVENV)
+	$(call q,$(PYTHON)) -m venv $(qVENV)
 	$(qPY) -m pip install --upgrade pip
 	if [ -f $(qVENV)/.installed-gpu ]; then req=requirements-gpu.txt; else req=requirements.txt; fi; \
 	  $(qPY) -m pip install -r $$req
@@ -361,7 +361,7 @@ train-2nodes: install install-gpu
 # GPUS=8: then the node check (perf/nodecheck.py: NCCL all-reduce, a ZeRO-2 step, the index shards on every GPU)
 GPUS       ?= 1
 NODE_CHECK  = $(qVENV)/bin/torchrun --standalone
-CHECK_PY    = $(if $(NO_INSTALL),$(qPYTHON),$(qPY))
+CHECK_PY    = $(if $(NO_INSTALL),$(call q,$(PYTHON)),$(qPY))
 .PHONY: memory gpu-check
 memory: install
 	$(qPY) -m perf.ledger --write --jobs 2

@@ -11,7 +11,7 @@ range-checked by the dataclass's `checks()` with a message naming the field. `--
 every field with its default and the comment written after it in the dataclass (the nanoGPT-style
 source is the documentation; a comment may go on over lines that start with `#` and two spaces).
 Scripts whose commands take a few options (retriever.py, lab/report.py, perf/ledger.py, ...) build
-their argparse parser by hand.
+their argparse parser by hand; `check_flags` range-checks their numeric flags.
 """
 import argparse
 import dataclasses
@@ -206,6 +206,17 @@ def cli(cls, argv=None, prog: str = "", presets: bool = True):
     except (ValueError, OSError) as e:
         print(f"{prog or sys.argv[0]}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, ranges: dict):
+    """Refuse (exit status 2, naming the flag) any numeric flag of a hand-built parser outside its
+    range, before anything is loaded. ranges: flag name -> (lowest, highest or None, what else to
+    say)."""
+    for name, (low, high, hint) in ranges.items():
+        value = getattr(args, name, None)
+        if value is not None and not (low <= value and (high is None or value <= high)):
+            within = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            parser.error(f"--{name} must be an integer {within}, got {value}{hint}")
 
 
 def micro_batches(cfg) -> int:

@@ -4,7 +4,7 @@ exactness of a server under many clients (DESIGN.md section 12; measured figures
 A server started in a child process on 127.0.0.1 (`python -m retrieval.server serve`, or the one
 at --url) gets `clients` threads of `requests` requests of distinct queries each (`bench_load`),
 then one big request with a 1-query request every 0.5 s beside it (`bench_big`); every answer is
-then checked against in-process search (`bench_exactness`: ids and scores to the bit, retriever.py's
+then checked against in-process search (`bench_exactness`: ids and scores to the bit, retrieval/search.py's
 `Retriever`). The server's CPU time per query is read from its process (/proc).
 
 It knows requests, clocks and processes; the server is reached only over HTTP (its flags are
@@ -34,8 +34,9 @@ import numpy as np
 import requests
 import torch
 
+from infra.config import check_flags
+from retrieval.search import TOPK, Retriever
 from retrieval.server import BENCH_RANGES, add_bench_flags
-from retriever import TOPK, Retriever, check_flags
 
 BENCH_WORDS = ("who founded the city river king painter ship festival language mountain when was "
                "born where is capital of first second largest oldest famous author song film "
@@ -180,7 +181,7 @@ def bench_server(index_dir: str, clients: int = 16, per_client: int = 40, size: 
                  big: int = 3000, threads: int = 1, device: str = "cpu", url=None,
                  workers=None) -> dict:
     """Start `retrieval/server.py serve` in a child process on 127.0.0.1 (or use the server at
-    `url`) and measure it; prints and returns the figures. Exactness compares with retriever.py's
+    `url`) and measure it; prints and returns the figures. Exactness compares with retrieval/search.py's
     in-process search."""
     # `-m retrieval.server` imports from the repository's root
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,11 +5,11 @@ Search-R1's BM25 retriever is pyserini's LuceneSearcher (Java, Lucene): Anserini
 analyzer and BM25 with k1 = 0.9, b = 0.4. This file gives the same model through the bm25s library
 (method "lucene") and PyStemmer. It knows terms and scores: the folder around its files
 (offsets.npy, meta.json) has the format of retrieval/index.py, shared with dense folders, and the
-corpus rows and the cache are retriever.py's `Retriever`, which picks `BM25Index` from the folder's
+corpus rows and the cache are retrieval/search.py's `Retriever`, which picks `BM25Index` from the folder's
 meta.json ("encoder": "bm25") where it picks retrieval/dense.py's `DenseIndex` otherwise. Both
 answer alike (an encoder, then `tops`), so every caller of `Retriever` (the search CLI,
 retrieval/server.py, eval.py, training) gets BM25 from a BM25 folder unchanged. It never imports
-retrieval/dense.py, nor retriever.py.
+retrieval/dense.py, nor retrieval/search.py.
 
 Contract (DESIGN.md section 10)
 - Analyzer (`analyze`), Anserini's DefaultEnglishAnalyzer (Lucene StandardTokenizer,
@@ -223,7 +223,7 @@ def _read_array(path: str, kind: str) -> np.ndarray:
 
 class BM25Index:
     """The BM25 side of an index folder, in the two roles of a dense folder's `DenseIndex`
-    (retrieval/dense.py): its own `encoder`, and the index that answers `tops`, as retriever.py's
+    (retrieval/dense.py): its own `encoder`, and the index that answers `tops`, as retrieval/search.py's
     `Retriever` asks: queries -> `query_features` (term ids; the server analyzes each request once,
     in its own thread) -> `encode_tokens` -> `tops`. Every file is checked against meta.json, each
     error naming its file."""

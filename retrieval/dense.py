@@ -4,7 +4,7 @@ It owns the encoder (`Encoder`: texts -> unit vectors), the vectors of a dense f
 FAISS index (`DenseIndex`: query vectors -> each one's top k rows with exact scores) and the
 dense build (`build_index`: a corpus encoded into a folder). It knows nothing of the corpus rows,
 the cache, HTTP or other kinds of index: the folder's format is retrieval/index.py's, and
-retriever.py's `Retriever` turns rows into documents; it picks this file's `DenseIndex` for a
+retrieval/search.py's `Retriever` turns rows into documents; it picks this file's `DenseIndex` for a
 folder whose meta.json names an encoder, as it picks BM25 for the others (retrieval/bm25.py,
 which this file never imports).
 
@@ -43,7 +43,7 @@ documents):
       answer.
 
 Deviations from Search-R1 (DESIGN.md section 13; tagged `# DEVIATION S<n>:` in the code; the
-rest: retriever.py and retrieval/server.py)
+rest: retrieval/search.py and retrieval/server.py)
 S1. Scores are the exact inner products of (2), not FAISS's float32 sums (they differ by ~1e-7).
 S2. A topk above the corpus size returns every row (FAISS would pad with row -1); the rest of S2
     is the server's.

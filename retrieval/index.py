@@ -4,7 +4,7 @@ BM25 one (retrieval/bm25.py) share, with every check that names a damaged file.
 It owns the corpus rows, the folder's files and their checks, the encoder names and prefixes
 that meta.json records, and Search-R1's index *file* (a prebuilt flat index, described into a
 folder). It never encodes or scores anything: what the vectors or the terms mean is dense.py's
-and bm25.py's, and a folder is searched by retriever.py's `Retriever`. It imports neither.
+and bm25.py's, and a folder is searched by retrieval/search.py's `Retriever`. It imports neither.
 
 Contract (DESIGN.md sections 3 and 10; Search-R1 compatible)
 - Corpus: jsonl rows {"id": str | int, "contents": "\\"Title\\"\\ntext"} (wiki-18's format).

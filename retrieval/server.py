@@ -1,10 +1,10 @@
-"""Search-R1 compatible retrieval server (Search-R1's retrieval_server.py) over retriever.py.
+"""Search-R1 compatible retrieval server (Search-R1's retrieval_server.py) over an index folder.
 
 The server knows HTTP, request checks, rounds of queries and their threads; it knows nothing of
-encoders, FAISS or the corpus: every search is `Retriever.search_batch` from retriever.py (a dense
-folder, retrieval/dense.py, or a BM25 one, retrieval/bm25.py), so an answer over HTTP equals an
-in-process search bit for bit (retrieval/dense.py, Determinism (1) and (2)). retriever.py never
-imports this file. Its load bench is perf/bench_server.py, which `bench` runs in a child process:
+encoders, FAISS or the corpus: every search is `Retriever.search_batch` from retrieval/search.py (a
+dense folder, retrieval/dense.py, or a BM25 one, retrieval/bm25.py), so an answer over HTTP equals
+an in-process search bit for bit (retrieval/dense.py, Determinism (1) and (2)). It never imports
+retriever.py (the top-level front), and nothing below it imports this file. Its load bench is perf/bench_server.py, which `bench` runs in a child process:
 this file never imports it, and defines only its flags (`add_bench_flags`), so that a bad one is
 refused before anything starts.
 
@@ -29,7 +29,7 @@ S3. Malformed requests get HTTP 400 {"error": "..."} naming the field (FastAPI: 
 Reliability deviations (DESIGN.md section 12)
 S10. At most MAX_QUERIES queries per request (400 naming the cap; --max_queries); Search-R1 has no
      cap.
-S11. A query that is not valid Unicode (a lone surrogate) is refused with 400 (retriever.py's
+S11. A query that is not valid Unicode (a lone surrogate) is refused with 400 (retrieval/search.py's
      `check_queries`); Search-R1's server answers 500.
 S12. A request head must arrive within HEAD_TIMEOUT s and its body within BODY_TIMEOUT s (else
      closed / 408); uvicorn alone waits for ever. JSON nested too deeply for the parser gets 400.
@@ -84,13 +84,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from infra.config import check_flags
 from retrieval.dense import PACK_TOKENS
 from retrieval.limits import (ACCEPT_PAUSE, BACKLOG, BODY_TIMEOUT, HEAD_TIMEOUT, LOG,
                               OUT_OF_RESOURCES, Connections, DeadlineH11, ListeningSocket,
                               descriptor_budget, descriptor_limit)
 from retrieval.index import E5, search_r1_index_dir
-from retriever import (CACHE_BYTES, MAX_QUERIES, MAX_QUERY_BYTES, TOPK, Retriever, check_flags,
-                       check_queries)
+from retrieval.search import (CACHE_BYTES, MAX_QUERIES, MAX_QUERY_BYTES, TOPK, Retriever,
+                              check_queries)
 
 MAX_TOPK = 100  # largest topk the server accepts
 MAX_BODY_BYTES = 16 << 20  # largest request body the server reads

@@ -2,7 +2,7 @@ import os
 import sys
 
 import pytest
-import torch  # noqa: F401  before any project module: infra/numerics.py then leaves this process and its env unpinned
+import torch  # before any project module: infra/numerics.py then leaves this process and its env unpinned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the modules are imported from the repository root (folders as packages)
@@ -14,6 +14,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # subprocess pins itself (infra/numerics.py), and the tests of the pins themselves drop this variable. Set, not defaulted:
 # the Makefile exports ALLOW_UNPINNED=0 for its world targets, and `make test` inherits it.
 os.environ["ALLOW_UNPINNED"] = "1"
+# Under pytest-xdist (make test: one worker per core) each worker and its child processes compute on one thread: the
+# workers fill the cores, and the suite's tiny models gain nothing from a second thread but its synchronisation (two
+# workers of two threads each on two cores spin-wait for each other's threads).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("layout")  # one worker runs the file: its module fixtures are built once
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY_POINTS = ("train_twice", "rollout", "retriever", "eval")  # what a user runs from the top level
 FOLDERS = ("generation", "methods", "retrieval", "worlds", "lab", "perf", "infra")
@@ -23,7 +25,7 @@ ORDER = [
     "sampler",
     "generation.stops", "generation.rows", "generation.kvcache", "generation.engine", "generation.kvbudget",
     "generation.logprobs",
-    "credit", "retrieval.index", "retrieval.dense", "retrieval.bm25", "retriever",
+    "credit", "retrieval.index", "retrieval.dense", "retrieval.bm25", "retrieval.search", "retriever",
     "rollout", "forks", "twice", "eval", "infra.lora", "generation.vllm_engine", "infra.checkpoint", "infra.console",
     "methods.baselines", "methods.learned", "methods.oracle", "methods", "train_twice",
     "retrieval.limits", "retrieval.server",
@@ -104,6 +106,19 @@ def test_every_arrow_points_down():
     assert not up, "\n".join(up)
 
 
+def test_no_folder_imports_back_the_entry_point_that_imports_it():
+    """An entry point's folders (those it imports a module of) never import it: retrieval/ lies below retriever.py,
+    so its server searches through retrieval/search.py, not retriever.py (DESIGN.md section 2). Consumers such as
+    lab/ and perf/ import the entry points, which never import them."""
+    back = []
+    for entry in ENTRY_POINTS:
+        below = {m.split(".")[0] for m in imports_of(entry)} & set(FOLDERS)
+        back += [f"{m} imports {entry}" for m in MODULES if m.split(".")[0] in below and entry in imports_of(m)]
+    assert {"retrieval", "generation", "methods", "infra"} <= {m.split(".")[0] for e in ENTRY_POINTS
+                                                              for m in imports_of(e)}  # the rule has folders to check
+    assert not back, "\n".join(back)
+
+
 def interface() -> set:
     """The names of train_twice.py that its docstring declares as the lab's interface."""
     doc = ast.get_docstring(ast.parse(open(MODULES["train_twice"], encoding="utf-8").read()))
@@ -133,19 +148,77 @@ def entry_points() -> list:
     return out
 
 
+HELP_FLAGS = ("--help", "-h")
+
+
+def answer_helps(jobs: list, out: str):
+    """Run in a child process: each (command, flag) of `jobs` as `python COMMAND FLAG` runs it, in a process forked
+    from this one; its exit status and output go to out/<i>.json. The libraries that most entry points load are
+    imported once, before the forks (~6 s of CPU each time otherwise); every project module is imported afresh in
+    each fork."""
+    import json
+    import runpy
+    import traceback
+    import faiss, numpy, torch  # noqa: E401, F401
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    for i, (command, flag) in enumerate(jobs):
+        files = [os.path.join(out, f"{i}.{name}") for name in ("out", "err")]
+        pid = os.fork()
+        if pid == 0:
+            for fd, path in zip((1, 2), files):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.path.insert(0, ROOT)  # as `python X.py` and `python -m X` in ROOT
+            sys.argv = [command[-1] if command[0] == "-m" else os.path.join(ROOT, command[0]), flag]
+            code = 0
+            try:
+                if command[0] == "-m":
+                    runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(sys.argv[0], run_name="__main__")
+            except SystemExit as e:
+                code = e.code
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            if code is not None and not isinstance(code, int):  # as the interpreter: the message, status 1
+                print(code, file=sys.stderr)
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code or 0)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        with open(os.path.join(out, f"{i}.json"), "w") as f:
+            json.dump({"status": status, "out": open(files[0]).read(), "err": open(files[1]).read()}, f)
+
+
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory) -> dict:
+    """{(module, flag): (exit status, stdout, stderr)} of every entry point and help flag, all from one child process
+    (answer_helps): a fresh interpreter per command cost ~150 s of CPU in all, nearly all of it importing torch and
+    transformers again."""
+    import json
+    out = str(tmp_path_factory.mktemp("helps"))
+    jobs = [(command, flag) for command, _ in entry_points() for flag in HELP_FLAGS]
+    keys = [(module, flag) for _, module in entry_points() for flag in HELP_FLAGS]
+    code = (f"import sys; sys.path[:0] = [{os.path.dirname(__file__)!r}, {ROOT!r}]; import test_layout; "
+            f"test_layout.answer_helps({jobs!r}, {out!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.load(open(os.path.join(out, f"{i}.json"))) for i in range(len(jobs))]
+    return {key: (r["status"], r["out"], r["err"]) for key, r in zip(keys, results)}
+
+
 @pytest.mark.parametrize("command,module", entry_points(), ids=[m for _, m in entry_points()])
-def test_every_entry_point_answers_help(command, module):
-    for flag in ("--help", "-h"):
-        proc = subprocess.run([sys.executable, *command, flag], capture_output=True, text=True, cwd=ROOT,
-                              timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "usage" in proc.stdout.lower()
+def test_every_entry_point_answers_help(helps, command, module):
+    for flag in HELP_FLAGS:
+        status, out, err = helps[module, flag]
+        assert status == 0, err[-2000:]
+        assert "usage" in out.lower()
 
 
-def test_train_help_lists_every_field_with_default_and_comment():
+def test_train_help_lists_every_field_with_default_and_comment(helps):
     import train_twice as tt
-    text = subprocess.run([sys.executable, os.path.join(ROOT, "train_twice.py"), "--help"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120).stdout
+    text = helps["train_twice", "--help"][1]
     for f in tt.Config.__dataclass_fields__.values():
         line = next(x for x in text.splitlines() if x.strip().startswith(f"--{f.name}="))
         assert repr(f.default) in line and len(line.split(")  ", 1)[-1]) > 3, line  # default and its comment

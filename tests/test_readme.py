@@ -88,14 +88,9 @@ def train(ctx, cmd, *extra):
     return run(ctx.swap(cmd) + SMALL + [f"--world={ctx.world}", *extra])
 
 
-@pytest.fixture(scope="module")
-def ctx(tiny_world, tmp_path_factory):
-    return Context(tiny_world, tmp_path_factory.mktemp("readme"))
-
-
 def handled(cmd: str) -> bool:
     return any(re.search(pattern, cmd) for pattern in NOT_HERE) or any(
-        re.search(pattern, cmd) for pattern, _ in RUNS)
+        re.search(pattern, cmd) for _, pattern, _ in RUNS)
 
 
 def test_every_readme_command_is_run_or_says_why_not():
@@ -170,9 +165,9 @@ def world_copy(ctx, cmd):
     words = ctx.swap(cmd)
     out = next((w[len("WORLD="):] for w in words if w.startswith("WORLD=")), os.path.join(ctx.tmp, "tiny-world"))
     words += [] if "WORLD=" in cmd else [f"WORLD={out}"]
-    run(make(" ".join(shlex.quote(w) for w in words)))
-    assert os.path.isfile(os.path.join(out, "world.json"))
-    run([sys.executable, "-m", "worlds.build", "--verify", out])
+    text = run(make(" ".join(shlex.quote(w) for w in words))).stdout
+    # the target compares the copy with worlds.lock itself (worlds/build.py --verify, its recipe's last line)
+    assert os.path.isfile(os.path.join(out, "world.json")) and "every file matches worlds.lock" in text
 
 
 def own_world(ctx, cmd):
@@ -189,52 +184,58 @@ def own_world_run(ctx, cmd):
     assert json.loads(open(os.path.join(out, "metrics.jsonl")).readlines()[-1])["final"]
 
 
-RUNS = [  # (README command pattern, what runs it), in this order
-    (r"^python train_twice.py configs/demo.cfg --overwrite$", demo_run),
-    (r"^python train_twice.py --help$", plain),
-    (r"^python train_twice.py configs/demo.cfg --method=grpo --out_dir=runs/demo/grpo$", grpo_run),
-    (r"^python train_twice.py configs/demo.cfg --resume=", resume),
-    (r"^python eval.py --model runs/demo/twice/", plain_small("--limit=3")),
-    (r"^python rollout.py replay ", replay),
-    (r"^python -m perf.bench_server --index data/tinyworld/index", plain_small(
-        "--clients", "2", "--requests", "2", "--queries", "2", "--big", "20")),
-    (r"^python -m lab.audit --world ", plain_small("--decisions=2", "--oracle_rollouts=2", "--repeats=2",
-                                                   "--vine_k=1", "--max_new_tokens=6", "--max_turns=1",
-                                                   "--method_rows=", "--progress=false")),
-    (r"^python -m lab.report paired runs/compare-methods", lambda ctx, cmd: run(
+# (group, README command pattern, what runs it), in this order within a group. A group's commands read what the
+# group's earlier ones wrote; the groups share nothing, so each is a test of its own and the groups run side by side.
+RUNS = [
+    ("demo", r"^python train_twice.py configs/demo.cfg --overwrite$", demo_run),
+    ("demo", r"^python train_twice.py configs/demo.cfg --method=grpo --out_dir=runs/demo/grpo$", grpo_run),
+    ("demo", r"^python train_twice.py configs/demo.cfg --resume=", resume),
+    ("demo", r"^python eval.py --model runs/demo/twice/", plain_small("--limit=3")),
+    ("demo", r"^python rollout.py replay ", replay),
+    ("demo", r"^python -m lab.report paired runs/compare-methods", lambda ctx, cmd: run(
         [sys.executable, "-m", "lab.report", "paired", *sorted(
             os.path.join(ctx.tmp, "runs/compare-methods", d)
             for d in os.listdir(os.path.join(ctx.tmp, "runs/compare-methods")))])),
-    (r"^python -m lab.report compare DIR\.\.\.$", lambda ctx, cmd: run(
+    ("demo", r"^python -m lab.report compare DIR\.\.\.$", lambda ctx, cmd: run(
         [sys.executable, "-m", "lab.report", "compare", ctx.run,
          os.path.join(ctx.tmp, "runs/compare-methods/grpo-seed0")])),
-    (r"^python retriever.py build --corpus data/tinyworld/corpus.jsonl --encoder bm25", bm25_index),
-    (r"^python retriever.py search --index data/tinyworld/index_bm25 ", plain),
-    (r"^python train_twice.py configs/demo.cfg --index=data/tinyworld/index_bm25", lambda ctx, cmd: train(
+    ("tools", r"^python train_twice.py --help$", plain),
+    ("tools", r"^python -m perf.bench_server --index data/tinyworld/index", plain_small(
+        "--clients", "2", "--requests", "2", "--queries", "2", "--big", "20")),
+    ("tools", r"^python -m lab.audit --world ", plain_small("--decisions=2", "--oracle_rollouts=2", "--repeats=2",
+                                                            "--vine_k=1", "--max_new_tokens=6", "--max_turns=1",
+                                                            "--method_rows=", "--progress=false")),
+    ("tools", r"^make reproduce-3b DRY_RUN=1$", lambda ctx, cmd: run(make(cmd))),
+    ("bm25", r"^python retriever.py build --corpus data/tinyworld/corpus.jsonl --encoder bm25", bm25_index),
+    ("bm25", r"^python retriever.py search --index data/tinyworld/index_bm25 ", plain),
+    ("bm25", r"^python train_twice.py configs/demo.cfg --index=data/tinyworld/index_bm25", lambda ctx, cmd: train(
         ctx, cmd, f"--out_dir={os.path.join(ctx.tmp, 'runs/bm25')}", "--steps=1")),
-    (r"^python train_twice.py configs/demo.cfg --lora_rank=8 ", lora_run),
-    (r"^python -m infra.lora memory ", plain),
-    (r"^python eval.py --model runs/demo/lora/", lambda ctx, cmd: run(
+    ("lora", r"^python train_twice.py configs/demo.cfg --lora_rank=8 ", lora_run),
+    ("lora", r"^python -m infra.lora memory ", plain),
+    ("lora", r"^python eval.py --model runs/demo/lora/", lambda ctx, cmd: run(
         ctx.swap(cmd.replace("step_000030", "step_000001")) + ["--limit=3"])),
-    (r"^make world$", world_copy),
-    (r"^make world WORLD=data/chains PRESET=chains$", world_copy),
-    (r"^make world WORLD=data/luck-high PRESET=luck-high$", world_copy),
-    (r"^python -m worlds.build --verify DIR$", lambda ctx, cmd: run(
+    ("worlds", r"^make world$", world_copy),
+    ("worlds", r"^make world WORLD=data/chains PRESET=chains$", world_copy),
+    ("worlds", r"^make world WORLD=data/luck-high PRESET=luck-high$", world_copy),
+    ("worlds", r"^python -m worlds.build --verify DIR$", lambda ctx, cmd: run(
         [sys.executable, "-m", "worlds.build", "--verify", os.path.join(ctx.tmp, "tiny-world")])),
-    (r"^make reproduce-3b DRY_RUN=1$", lambda ctx, cmd: run(make(cmd))),
-    (r"^python -m worlds.data world ", own_world),
-    (r"^python train_twice.py --world=data/mine ", own_world_run),
+    ("own_data", r"^python -m worlds.data world ", own_world),
+    ("own_data", r"^python train_twice.py --world=data/mine ", own_world_run),
 ]
+GROUPS = list(dict.fromkeys(group for group, _, _ in RUNS))
 
 
-def test_the_readme_commands_run_on_the_tiny_world(ctx):
+@pytest.mark.parametrize("group", GROUPS)
+def test_the_readme_commands_run_on_the_tiny_world(tiny_world, tmp_path, group):
+    """The group's commands in README order, on paths of the test's own."""
+    ctx, runs = Context(tiny_world, tmp_path), [(pattern, how) for g, pattern, how in RUNS if g == group]
     done = set()
     for cmd in readme_commands():
-        for pattern, how in RUNS:
+        for pattern, how in runs:
             if re.search(pattern, cmd) and not any(re.search(p, cmd) for p in NOT_HERE):
                 how(ctx, cmd)
                 done.add(pattern)
-    assert done == {pattern for pattern, _ in RUNS}, {pattern for pattern, _ in RUNS} - done
+    assert done == {pattern for pattern, _ in runs}, {pattern for pattern, _ in runs} - done
 
 
 def test_the_readme_examples_fit_make_demos_own_output():

@@ -1,4 +1,5 @@
-"""Tests for retriever.py on a 50-row corpus of invented entities, encoded with the packaged MiniLM (CPU, offline).
+"""Tests for retriever.py and retrieval/search.py (its `Retriever`) on a 50-row corpus of invented entities, encoded
+with the packaged MiniLM (CPU, offline).
 The HTTP server and RemoteRetriever against it: tests/test_server.py, on the same fixtures."""
 import json
 import math
@@ -20,6 +21,9 @@ import retriever as R
 from protocol import information_block
 from retrieval import dense as D
 from retrieval import index as I
+from retrieval import search
+
+pytestmark = pytest.mark.xdist_group("retriever")  # one worker runs the file: its module fixtures are built once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST = ("Amber Bronze Cedar Dusky Ember Frost Granite Hazel Ivory Jade Kestrel Linen Maple Nimbus Onyx Pearl Quartz "
@@ -414,7 +418,7 @@ def test_query_features_are_the_tokenizer_call(fresh):
 
 def test_cache_is_bounded_in_bytes(world):
     probe = R.Retriever(world.index_dir, device="cpu", cache_size=0)
-    one = R._bytes(("a king", 3), probe.search(["a king"])[0])
+    one = search._bytes(("a king", 3), probe.search(["a king"])[0])
     probe.close()
     retriever = R.Retriever(world.index_dir, device="cpu", cache_bytes=int(2.5 * one))
     retriever.search(["a king"])

@@ -27,8 +27,11 @@ import retriever as R
 from perf import bench_server as B
 from retrieval import index as I
 from retrieval import limits as L
+from retrieval import search
 from retrieval import server as S
 from test_retriever import KINDS, NAME0, ROOT, bits, dense, fresh, one_thread, world  # noqa: F401
+
+pytestmark = pytest.mark.xdist_group("server")  # one worker runs the file: its module fixtures are built once
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +61,20 @@ def refusing_port():
 
 
 def test_retriever_knows_nothing_of_serving():
-    """retrieval/server.py imports retriever.py, never the reverse: the library loads no web framework."""
-    tree = ast.parse(open(os.path.join(ROOT, "retriever.py"), encoding="utf-8").read())
-    imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert not imported & {"server", "uvicorn", "starlette", "h11"}, imported
-    assert "retriever" in {node.module for node in ast.walk(ast.parse(open(os.path.join(ROOT, "retrieval/server.py")).read()))
-                           if isinstance(node, ast.ImportFrom)}
+    """retrieval/server.py searches through retrieval/search.py and never imports retriever.py; neither the search
+    nor retriever.py imports the server or loads a web framework."""
+    def imported(path):
+        tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+        names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        return names
+    for library in ("retriever.py", "retrieval/search.py"):
+        names = imported(library)
+        assert "retrieval.server" not in names and not {n.split(".")[0] for n in names} & {"uvicorn", "starlette",
+                                                                                         "h11"}, (library, names)
+    assert "retrieval.search" in imported("retrieval/server.py") and "retriever" not in imported("retrieval/server.py")
 
 
 # --- HTTP server and client ---
@@ -518,7 +528,7 @@ def test_queries_past_the_byte_cap_get_400_naming_them(dense):
     with pytest.raises(ValueError, match=r"'queries'\[0\] is 1048576 bytes long \(UTF-8\), at most 16384 per query"):
         S.parse_request({"queries": ["x" * (1 << 20)]})
     # the default cap holds any query of our rollout (cut to 1024 characters, DEVIATION R2) and 256 tokens of text
-    assert R.check_queries(["\U0001F600" * 1024, "word " * 3000], max_query_bytes=R.MAX_QUERY_BYTES)
+    assert search.check_queries(["\U0001F600" * 1024, "word " * 3000], max_query_bytes=search.MAX_QUERY_BYTES)
     server, url = S.start_server(dense, max_query_bytes=100)
     try:
         status, payload = post_raw(url, json.dumps({"queries": ["a king", "é" * 51]}).encode())  # 102 UTF-8 bytes
