@@ -229,8 +229,7 @@ def ppo_loss(cfg, lp, old_lp, ref_lp, adv, mask, ent=None):
     """Per-token PPO-clip surrogate + k3 KL to the reference - entropy bonus; clipped tokens."""
     ratio = torch.exp(lp - old_lp)
     pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip) * adv)
-    d = ref_lp - lp
-    kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi || ref): unbiased, >= 0 (Schulman 2020)
+    kl = torch.exp(ref_lp - lp) - (ref_lp - lp) - 1  # k3 KL(pi || ref): unbiased, >= 0 (Schulman 2020)
     loss = pg + cfg.kl_coef * kl - (cfg.entropy_coef * ent if ent is not None else 0.0)
     return loss * mask, kl * mask, ((ratio - 1).abs() > cfg.clip).float() * mask
 
