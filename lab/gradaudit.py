@@ -29,6 +29,7 @@ one batch's gradient.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -187,7 +188,7 @@ def run_audit(world: str, policy_dir: str, tag: str, batches: int, draws: int, o
             times[label] = times.get(label, 0.0) + time.time() - t0
         print(f"gradaudit {world} {tag}: batch {b + 1}/{batches} in {time.time() - start:.0f} s", flush=True)
     refs, split_half = references(raw)
-    result = {"world": world, "tag": tag, "policy": os.path.relpath(policy_dir, ROOT), "batches": batches,
+    result = {"world": world, "tag": tag, "policy": described(os.path.abspath(policy_dir)), "batches": batches,
               "draws": draws, "oracle_rollouts": headroom.M, "reference_split_half_cos": split_half,
               "reference_cos": reference_cos(split_half, batches),
               "params": int(len(refs[0])), "methods": {}}
@@ -207,6 +208,14 @@ def mid_steps(world: str) -> int:
                          f"(python -m lab.headroom run {world}): the checkpoint is half its updates")
     _, rows = benchmark.collect([headroom.GRPO], (0,), where)[headroom.GRPO][0]
     return max(r["step"] for r in rows) // 2
+
+
+def described(policy: str) -> str:
+    """A policy folder as the report names it: the repository's own by path, a `checkpoint` by how it was made."""
+    steps = re.search(r"-grpo(\d+)/step_\d+/policy$", policy.replace(os.sep, "/"))
+    if steps and os.path.relpath(policy, ROOT).startswith(".."):
+        return f"GRPO seed 0 after {int(steps[1])} updates, `lab.gradaudit checkpoint`"
+    return os.path.relpath(policy, ROOT)
 
 
 def checkpoint(world: str, scratch: str) -> str:
@@ -236,7 +245,7 @@ def summary(results: str = RESULTS) -> str:
     for name in found:
         res = json.load(open(os.path.join(results, name, "gradaudit.json")))
         ref = reference_cos(res["reference_split_half_cos"], res["batches"])
-        lines += [f"## {res['world']}, {res['tag']} ({res['policy']}): {res['batches']} batches x {res['draws']} "
+        lines += [f"## {res['world']}, {res['tag']} ({described(os.path.join(ROOT, res['policy']))}): {res['batches']} batches x {res['draws']} "
                   f"draws, reference split-half cos {res['reference_split_half_cos']:.3f} (reference cos {ref:.2f})",
                   "", "| method | cos | cos (R draws) | cos / ref | credit noise | sampling | SNR | s |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
