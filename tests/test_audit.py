@@ -30,8 +30,6 @@ import protocol
 from lab import report
 import rollout
 
-pytestmark = pytest.mark.xdist_group("audit")  # one worker runs the file: its module fixtures are built once
-
 WORDS = ["[UNK]", "<|im_end|>", "<search>", "</search>", "<answer>", "</answer>", "a", "b", "c"]
 DOCS = {"A": '"A"\nthe answer is a', "B": '"B"\nthe answer is b', "C": '"C"\nnothing'}
 QUESTION = {"id": "q0", "question": "a or b", "golden_answers": ["a"]}

@@ -21,8 +21,6 @@ import protocol
 import rollout
 import sampler
 
-pytestmark = pytest.mark.xdist_group("forks")  # one worker runs the file: its module fixtures are built once
-
 R = 1500
 
 

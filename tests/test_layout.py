@@ -10,8 +10,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("layout")  # one worker runs the file: its module fixtures are built once
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY_POINTS = ("train_twice", "rollout", "retriever", "eval")  # what a user runs from the top level
 FOLDERS = ("generation", "methods", "retrieval", "worlds", "lab", "perf", "infra")

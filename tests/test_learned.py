@@ -19,8 +19,6 @@ import sampler
 import train_twice as tt
 from test_train import read_metrics, tiny_cfg
 
-pytestmark = pytest.mark.xdist_group("learned")  # one worker runs the file: its module fixtures are built once
-
 LEARNED = ("ppo", "igpo", "spa_rl", "agentprm", "craft")
 
 

@@ -18,8 +18,6 @@ from lab import replay
 import train_twice as tt
 from test_train import ROOT, assert_ranks_in_sync, cpu_launch, read_metrics, tiny_cfg
 
-pytestmark = pytest.mark.xdist_group("lora")  # one worker runs the file: its module fixtures are built once
-
 # every reward of the test-scale world is 0: the entropy bonus gives the adapters a gradient (B moves off 0)
 LORA = ["--lora_rank=4", "--lora_alpha=8", "--entropy_coef=0.1", "--lr=1e-2"]
 

@@ -13,8 +13,6 @@ import pytest
 from perf import ledger
 from perf import nodecheck
 
-pytestmark = pytest.mark.xdist_group("nodecheck")  # one worker runs the file: its module fixtures are built once
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

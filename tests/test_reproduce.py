@@ -26,8 +26,6 @@ import train_twice as tt
 from retrieval.index import load_index_dir
 from retrieval.server import start_server
 
-pytestmark = pytest.mark.xdist_group("reproduce")  # one worker runs the file: its module fixtures are built once
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT = "5ea4c4f2d81f4d2b1e5bd6b1f0c3a9e7d2c4b6a8"
 INDEX_REPO = data.SR1_INDEX[0]

@@ -23,8 +23,6 @@ from retrieval import dense as D
 from retrieval import index as I
 from retrieval import search
 
-pytestmark = pytest.mark.xdist_group("retriever")  # one worker runs the file: its module fixtures are built once
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST = ("Amber Bronze Cedar Dusky Ember Frost Granite Hazel Ivory Jade Kestrel Linen Maple Nimbus Onyx Pearl Quartz "
          "Russet Saffron Tawny Umber Velvet Willow Xenon Yarrow Zephyr Azure Birch Cobalt Dune Elder Fennel Garnet "

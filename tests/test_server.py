@@ -31,8 +31,6 @@ from retrieval import search
 from retrieval import server as S
 from test_retriever import KINDS, NAME0, ROOT, bits, dense, fresh, one_thread, world  # noqa: F401
 
-pytestmark = pytest.mark.xdist_group("server")  # one worker runs the file: its module fixtures are built once
-
 
 @pytest.fixture(scope="module")
 def url(dense):

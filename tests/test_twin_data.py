@@ -19,8 +19,6 @@ import train_twice as tt
 import twice
 from generation import logprobs
 
-pytestmark = pytest.mark.xdist_group("twin_data")  # one worker runs the file: its module fixtures are built once
-
 
 def test_the_line_out_baseline_leaves_the_own_line_out_and_agreeing_groups_stay_finite():
     fact, rows = credit.line_out_advantages([0, 0, 0, 0, 0, 1, 0, 1, 0, 0], 5, [(1, 1.0), (6, 1.0), (6, 0.0)])

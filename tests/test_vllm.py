@@ -15,8 +15,6 @@ import types
 import pytest
 import torch
 
-pytestmark = pytest.mark.xdist_group("vllm")  # one worker runs the file: its module fixtures are built once
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY0 = os.path.join(ROOT, "worlds", "tiny-0")
 

@@ -13,8 +13,6 @@ from eval import load_qa
 from protocol import INVALID_ACTION_MSG, information_block, render_prompt, reward
 from worlds.build import bc_loss, common_prefix, pad_batch
 
-pytestmark = pytest.mark.xdist_group("world")  # one worker runs the file: its module fixtures are built once
-
 SEED = 3
 
 

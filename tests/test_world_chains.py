@@ -12,8 +12,6 @@ from worlds import chains as world_chains
 from eval import read_jsonl
 from protocol import reward
 
-pytestmark = pytest.mark.xdist_group("world_chains")  # one worker runs the file: its module fixtures are built once
-
 SEED = 5
 
 
