@@ -204,10 +204,10 @@ def test_independent_twins_are_textbook(world_run):
 
 
 # --- two training steps and exact resume, every method ---
-@pytest.mark.parametrize("method", BASELINES)
-def test_two_steps_and_exact_resume(tiny_world, tmp_path, method):
+def resumed_rows(common: list, tmp_path) -> list:
+    """Two steps straight, and one step then a resume for the second: the metrics rows of both (times left out),
+    asserted equal; returns them."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    common = [f"--world={tiny_world}", *TINY, f"--method={method}", "--eval_every=0"]
     tt.main(tt.parse_config([*common, f"--out_dir={a}", "--steps=2"]))
     tt.main(tt.parse_config([*common, f"--out_dir={b}", "--steps=1"]))
     tt.main(tt.parse_config([*common, f"--out_dir={b}", "--steps=2", f"--resume={b}/step_000001"]))
@@ -216,7 +216,13 @@ def test_two_steps_and_exact_resume(tiny_world, tmp_path, method):
         lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         rows[out] = [{k: v for k, v in r.items() if not k.startswith("time")} for r in lines if not r.get("final")]
     assert rows[a] == rows[b] and len(rows[a]) == 2
-    for r in rows[a]:
+    return rows[a]
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_two_steps_and_exact_resume(tiny_world, tmp_path, method):
+    rows = resumed_rows([f"--world={tiny_world}", *TINY, f"--method={method}", "--eval_every=0"], tmp_path)
+    for r in rows:
         assert r["factual_tokens"] > 0 and "aux_tokens" in r
         assert (r["aux_tokens"] > 0) == (method in ("independent", "vineppo"))
 
