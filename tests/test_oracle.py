@@ -1,7 +1,6 @@
 """methods/oracle.py, the ceiling arm: its credit is the audit's A* key for key on the tiny world, its token advantages
 are TWICE's step 6 with A_hat = A*, its rollouts are logged but not charged to the token budget, and it trains and
 resumes exactly."""
-import json
 import os
 from types import SimpleNamespace
 
