@@ -227,7 +227,7 @@ def build_report(seeds_name: str = "dev") -> str:
             if any(find(world, ORACLE, s) for s in benchmark.HELDOUT_SEEDS):
                 lines += world_table(world, benchmark.HELDOUT_SEEDS)[0]
     if points:
-        plot(points)
+        plot(points, FIGURE)
     text = "\n".join(lines)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "tables.md"), "w") as f:
