@@ -245,7 +245,8 @@ def summary(results: str = RESULTS) -> str:
     for name in found:
         res = json.load(open(os.path.join(results, name, "gradaudit.json")))
         ref = reference_cos(res["reference_split_half_cos"], res["batches"])
-        lines += [f"## {res['world']}, {res['tag']} ({described(os.path.join(ROOT, res['policy']))}): {res['batches']} batches x {res['draws']} "
+        policy = described(os.path.join(ROOT, res["policy"]))
+        lines += [f"## {res['world']}, {res['tag']} ({policy}): {res['batches']} batches x {res['draws']} "
                   f"draws, reference split-half cos {res['reference_split_half_cos']:.3f} (reference cos {ref:.2f})",
                   "", "| method | cos | cos (R draws) | cos / ref | credit noise | sampling | SNR | s |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -4,9 +4,9 @@ The server knows HTTP, request checks, rounds of queries and their threads; it k
 encoders, FAISS or the corpus: every search is `Retriever.search_batch` from retrieval/search.py (a
 dense folder, retrieval/dense.py, or a BM25 one, retrieval/bm25.py), so an answer over HTTP equals
 an in-process search bit for bit (retrieval/dense.py, Determinism (1) and (2)). It never imports
-retriever.py (the top-level front), and nothing below it imports this file. Its load bench is perf/bench_server.py, which `bench` runs in a child process:
-this file never imports it, and defines only its flags (`add_bench_flags`), so that a bad one is
-refused before anything starts.
+retriever.py (the top-level front), and nothing below it imports this file. Its load bench is
+perf/bench_server.py, which `bench` runs in a child process: this file never imports it, and
+defines only its flags (`add_bench_flags`), so that a bad one is refused before anything starts.
 
 Contract (DESIGN.md sections 3, 10 and 12; Search-R1 compatible)
 - POST /retrieve {"queries": [str, ...], "topk": k, "return_scores": bool}

@@ -22,8 +22,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-# The files that take longest (a full run's --durations, 2026-12-06), longest first: under `--dist loadfile` (pytest.ini)
-# each file is one unit of work, handed out in collection order, so they go out first and the short ones fill in.
+# The files that take longest (a full run's --durations, 2026-12-06), longest first: under `--dist loadfile`
+# (pytest.ini) each file is one unit of work, handed out in collection order, so they go out first and the
+# short ones fill in.
 LONGEST_FIRST = ["test_vllm", "test_ledger", "test_readme", "test_train", "test_rank_failure", "test_nodecheck",
                  "test_server", "test_lora", "test_speed", "test_first_hour", "test_layout", "test_gpucheck",
                  "test_numerics", "test_learned", "test_replay", "test_oracle", "test_world_lock", "test_retriever",
