@@ -2,6 +2,7 @@
 and their twins are the same tokens as without one, the KV entries held at every turn boundary stay under it (and
 without it they would not), a budget smaller than one episode still finishes, and the presets fit the ledger's
 long-turn script under 90% of 80 GiB."""
+import gc
 import json
 import os
 
@@ -22,10 +23,18 @@ def gib(model, positions):
     return (positions + 0.5) * engine.position_bytes(model) / kvbudget.GIB
 
 
+def clean():
+    """No KV entry of an earlier test is counted: live_positions() counts every entry in the process, and one an
+    earlier test left in a reference cycle (a traceback's frames) lives until the collector runs."""
+    gc.collect()
+    assert kvbudget.live_positions() == 0, "an earlier test holds KV entries alive"
+
+
 def traced(model, tok, proto, monkeypatch, n=8, group=2, chunk=0):
     """Factual episodes, then twins of every turn (chunks, caches released): their tokens and outcomes, the live
     positions after every turn of any call, the episodes of each turn call, and the most positions alive when an
     entry was made (within a turn)."""
+    clean()
     at_turn, calls, made = [], [], []
     step, post = rollout.step_turn, engine.KVEntry.__post_init__
 
@@ -88,6 +97,7 @@ def test_the_generate_path_and_no_budget_have_no_limit(word_tok, word_model):  #
 
 def test_schedule_keeps_the_furthest_along_and_drops_what_does_not_fit(word_tok, word_model):  # noqa: F811
     """Direct: three started episodes holding caches and two fresh ones, a cap that fits two turns."""
+    clean()
     proto = Protocol(**BASE)
     eps = rollout.start_episodes(word_tok, questions(5), 5, 1, 1)
     rollout.run_episodes(word_model, word_tok, FakeRetriever(), eps[:3], Protocol(**{**BASE, "max_turns": 0}))
