@@ -10,6 +10,10 @@ sys.path.insert(0, ROOT)  # the modules are imported from the repository root (f
 os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM's own switch for its CPU CI (vllm/platforms/cpu.py): its CPU engines trace the model with dynamo's eager backend
+# instead of compiling it with inductor. Each engine start of tests/test_vllm.py takes ~14 s instead of ~37 s on a cold
+# compile cache (a fresh machine's), and decodes at the same speed; the tests compare tokens, not kernels.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 # In-process tests run on this machine's own numerics and compare with in-process results; a script run in a
 # subprocess pins itself (infra/numerics.py), and the tests of the pins themselves drop this variable. Set, not defaulted:
 # the Makefile exports ALLOW_UNPINNED=0 for its world targets, and `make test` inherits it.
