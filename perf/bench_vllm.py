@@ -248,15 +248,21 @@ def main(argv=None):
     ap.add_argument("--json", default="", help="write the figures here too")
     ap.add_argument("--gpu", action="store_true", help="vllm_figure at the 3B preset's shape")
     ap.add_argument("--tiny", action="store_true", help="vllm_figure at a tiny shape on the CPU")
+    ap.add_argument("--and_tiny", action="store_true",
+                    help="the checks, then vllm_figure at the tiny shape, in one process (tests/test_vllm.py)")
     ap.add_argument("--runner", default="v1", choices=("v1", "v2"),
                     help="vLLM's model runner for vllm_figure (v2 needs a GPU)")
     args = ap.parse_args(argv)
+
+    def tiny():
+        return vllm_figure("tiny", rows=12, slots=4, length=24, max_context=512, kv_gib=0.25, device="cpu",
+                           runner=args.runner)
     if args.gpu or args.tiny:
-        out = vllm_figure(runner=args.runner) if args.gpu else vllm_figure(
-            "tiny", rows=12, slots=4, length=24, max_context=512, kv_gib=0.25, device="cpu",
-            runner=args.runner)
+        out = vllm_figure(runner=args.runner) if args.gpu else tiny()
     else:
         out = checks(args.world, args.questions)
+        if args.and_tiny:
+            out["tiny_figure"] = tiny()
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

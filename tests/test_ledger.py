@@ -76,7 +76,7 @@ def test_tracker_phases_scale_tags_and_holds():
 def test_a_probe_measures_a_wider_model_exactly():
     """The same scripted step with a narrow and a wide model of the same layers: KV entries, batch caches and step
     tensors of the wide one at each phase's peak equal the narrow one's scaled by memprobe.probe_scale."""
-    cfg = memprobe.step_config(os.path.join(ROOT, "configs/qwen2.5-3b.cfg"), gpucheck.TINY_FLAGS)
+    cfg = memprobe.step_config(os.path.join(ROOT, "configs/qwen2.5-3b.cfg"), gpucheck.TINY_FLAGS + ["--max_turns=2"])
     wide = dict(gpucheck.TINY)
     narrow = memprobe.probe_dims(wide)
     script = memprobe.SCRIPTS["search-r1"]
