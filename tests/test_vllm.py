@@ -4,12 +4,14 @@ threads); these tests read its figures. A 2-step training run with engine=vllm s
 cached engine. The processor's core (catch_up, draw, finish) is tested here without vLLM; KeyedProcessorV2 (Model Runner
 V2, vLLM's GPU default) on FakeV2, a V2 runner made of vLLM's own V2 loader and state; the engine's start with vLLM
 stubbed at its config and LLM, and once for real (V2 refused on a CPU, in seconds)."""
+import importlib
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -266,15 +268,25 @@ class FakeV2:
                 for r in reqs]
 
 
+def _v2_modules():
+    """vllm, its V2 buffer utilities and EngineArgs, first imported on a thread of their own: importing
+    vllm.engine.arg_utils leaves one of vLLM's module-level frames alive (vllm/multimodal/media/audio.py's), and with
+    it every frame below it, the importer's included, with its locals (the fixture's episodes and their KV caches,
+    which tests/test_kvbudget.py then counted in the same worker). A thread's first frame has no caller."""
+    names = ("vllm", "vllm.v1.worker.gpu.buffer_utils", "vllm.engine.arg_utils")
+    thread = threading.Thread(target=lambda: [importlib.import_module(name) for name in names])
+    thread.start()
+    thread.join()
+    return [importlib.import_module(name) for name in names[:2]] + [sys.modules[names[2]].EngineArgs]
+
+
 @pytest.fixture(scope="module")
 def v2(tmp_path_factory):
     """VLLMEngine told by vLLM (create_engine_config) that it runs Model Runner V2, over FakeV2, against the cached
     engine on the committed tiny world's policy with widened heads (as perf/bench_vllm.py: its turns hold newlines and
     end in all three ways): factual episodes, coupled twins, token forks, mid-turn replays and text-line keys, each as
     (rows, rows with the same tokens); and what the fake went through. One torch thread: a few seconds."""
-    import vllm
-    import vllm.v1.worker.gpu.buffer_utils as buffers
-    from vllm.engine.arg_utils import EngineArgs
+    vllm, buffers, EngineArgs = _v2_modules()
     import retriever
     import rollout
     from eval import load_policy, load_qa
