@@ -68,7 +68,8 @@ def _lp_gap(a, b) -> float:
                default=0.0)
 
 
-def checks(world: str, questions: int = 16, group: int = 4, max_new: int = 40) -> dict:
+def checks(world: str, questions: int = 16, group: int = 4, max_new: int = 40,
+           speed_kw: dict | None = None) -> dict:
     import torch
     import retriever
     import rollout
@@ -118,7 +119,7 @@ def checks(world: str, questions: int = 16, group: int = 4, max_new: int = 40) -
         by_line = _ids(episodes(model, proto=lines))
         out["lines"] = dict(rows=len(ref), same=_same(by_line, _ids(episodes(engine, proto=lines))),
                             differ_from_group=len(ref) - _same(by_line, _ids(ref)))
-        out["speed"] = speed(model, engine, tok, rows, proto)
+        out["speed"] = speed(model, engine, tok, rows, proto, **(speed_kw or {}))
         # every weight moves (the tied embedding, so the LM head, too)
         gen = torch.Generator().manual_seed(0)
         for p in model.parameters():
@@ -248,6 +249,9 @@ def main(argv=None):
     ap.add_argument("--json", default="", help="write the figures here too")
     ap.add_argument("--gpu", action="store_true", help="vllm_figure at the 3B preset's shape")
     ap.add_argument("--tiny", action="store_true", help="vllm_figure at a tiny shape on the CPU")
+    ap.add_argument("--max_new", type=int, default=40, help="tokens per turn of the checks' episodes")
+    ap.add_argument("--speed_group", type=int, default=8, help="episodes per question of the speed figure")
+    ap.add_argument("--speed_reps", type=int, default=2, help="the speed figure is the best of this many")
     ap.add_argument("--and_tiny", action="store_true",
                     help="the checks, then vllm_figure at the tiny shape, in one process (tests/test_vllm.py)")
     ap.add_argument("--runner", default="v1", choices=("v1", "v2"),
@@ -260,7 +264,8 @@ def main(argv=None):
     if args.gpu or args.tiny:
         out = vllm_figure(runner=args.runner) if args.gpu else tiny()
     else:
-        out = checks(args.world, args.questions)
+        out = checks(args.world, args.questions, max_new=args.max_new,
+                     speed_kw=dict(group=args.speed_group, reps=args.speed_reps))
         if args.and_tiny:
             out["tiny_figure"] = tiny()
     text = json.dumps(out, indent=1)

@@ -24,8 +24,9 @@ TINY0 = os.path.join(ROOT, "worlds", "tiny-0")
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("bench") / "vllm.json")
-    proc = subprocess.run([sys.executable, "-m", "perf.bench_vllm", "--world", TINY0, "--and_tiny", "--json", out],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "perf.bench_vllm", "--world", TINY0, "--and_tiny", "--max_new", "24",
+                           "--speed_group", "2", "--speed_reps", "1", "--json", out], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.load(open(out))
 
@@ -60,6 +61,7 @@ def test_weight_sync_matches_the_cached_engine_and_a_fresh_engine(figures):
 def test_speed_is_measured(figures):
     s = figures["speed"]
     assert s["cached"] > 0 and s["vllm"] > 0 and math.isclose(s["ratio"], s["vllm"] / s["cached"])
+    assert s["episodes"] == 32  # 16 questions x --speed_group 2 (the figure of RESULTS.md: x 8, the best of 2)
 
 
 def test_training_on_two_ranks_with_vllm_samples_the_cached_engines_tokens(tiny_world, tmp_path):
