@@ -140,8 +140,8 @@ def test_gpu_check_tiny_matches_the_ledger_within_10_percent(tmp_path):
     at one step instead of two the rollout's is 14% under (the measured step is then the first)."""
     cpu = [f"--budget={name}=1500" for name in gpucheck.BUDGET_S] + ["--time_limit=3000"]  # an H100's are less
     run = subprocess.run([sys.executable, "-m", "perf.gpucheck", "--tiny", "--parts", "train_step", "--prompts", "2",
-                          "--set", "max_turns=2", "--out", str(tmp_path / "check.json"), *cpu], cwd=ROOT, capture_output=True, text=True,
-                         timeout=3600)
+                          "--set", "max_turns=2", "--out", str(tmp_path / "check.json"), *cpu], cwd=ROOT,
+                         capture_output=True, text=True, timeout=3600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     saved = json.load(open(tmp_path / "check.json"))["parts"]["train_step"]
     assert saved["phases"].keys() == set(ledger.PHASES) and "error" not in saved
