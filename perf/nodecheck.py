@@ -107,6 +107,9 @@ def zero2(dims: dict, device, bucket: int, seq: int = 64) -> dict:
     step, beside ledger.zero2_static; the second step's seconds."""
     import deepspeed
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    if device.type == "cpu":  # --tiny: gloo's all-reduce, not DeepSpeed's shared-memory op for CPU ranks (a C++ op
+        # compiled on a machine's first use, ~30 s a rank; a GPU node's ranks use NCCL and never build it)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     world = torch.distributed.get_world_size()
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**dims))
