@@ -60,6 +60,10 @@ def run_cli(main, cfg, prog: str):
     def stop(signum, frame):
         raise KeyboardInterrupt(signum)
     signal.signal(signal.SIGTERM, stop)  # torchrun, Slurm and `kill` stop a run with SIGTERM
+    # Ctrl-C and `kill -INT` too, whatever this process inherited: a parent that ignores SIGINT (a shell's background
+    # job, a test worker) passes SIG_IGN on through exec, and Python then installs no KeyboardInterrupt for it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # a blocked mask is inherited too
     try:
         return main(cfg)
     except (ValueError, FloatingPointError, FileNotFoundError) as e:
