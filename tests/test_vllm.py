@@ -25,8 +25,8 @@ TINY0 = os.path.join(ROOT, "worlds", "tiny-0")
 def figures(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("bench") / "vllm.json")
     proc = subprocess.run([sys.executable, "-m", "perf.bench_vllm", "--world", TINY0, "--and_tiny", "--max_new", "24",
-                           "--speed_group", "2", "--speed_reps", "1", "--json", out], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+                           "--speed_group", "2", "--speed_reps", "1", "--json", out], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.load(open(out))
 
