@@ -279,7 +279,10 @@ def _v2_modules():
     thread = threading.Thread(target=lambda: [importlib.import_module(name) for name in names])
     thread.start()
     thread.join()
-    return [importlib.import_module(name) for name in names[:2]] + [sys.modules[names[2]].EngineArgs]
+    import vllm  # imported already: these lines make no module frame
+    import vllm.v1.worker.gpu.buffer_utils as buffers
+    from vllm.engine.arg_utils import EngineArgs
+    return vllm, buffers, EngineArgs
 
 
 @pytest.fixture(scope="module")
