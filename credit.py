@@ -109,7 +109,8 @@ def solve_budget(p, c, budget, q_min=0.05, rule="sqrt") -> Budget:
     """Branch probabilities q_t = clip(lam * sqrt(p_t / c_t), q_min, 1) with
     sum_t q_t c_t = budget (DESIGN 5).
 
-    rule="uniform": q_t = clip(lam, q_min, 1), the same total. Returns Budget(q, lam, spent, over).
+    rule="uniform": q_t = clip(lam, q_min, 1), the same total; rule="all": q_t = 1 at every
+    decision, whatever the budget (spent = sum c). Returns Budget(q, lam, spent, over).
     Edges: budget >= sum c -> all ones; budget <= q_min sum c -> all q_min (`over` says whether
     that exceeds the budget); p_t = 0 -> q_min (see deviation 2); empty input -> empty q.
     c_t <= 0 or p_t outside [0, 1] raise. lam is found by geometric bisection on the continuous,
@@ -123,10 +124,12 @@ def solve_budget(p, c, budget, q_min=0.05, rule="sqrt") -> Budget:
         raise ValueError("twin costs c_t must be finite and > 0")
     if not np.all((p >= 0) & (p <= 1)):
         raise ValueError("discordance p_t must lie in [0, 1]")
-    if not (0 < q_min <= 1) or not budget >= 0 or rule not in ("sqrt", "uniform"):
-        raise ValueError(f"need 0 < q_min <= 1, budget >= 0, rule in (sqrt, uniform); "
+    if not (0 < q_min <= 1) or not budget >= 0 or rule not in ("sqrt", "uniform", "all"):
+        raise ValueError(f"need 0 < q_min <= 1, budget >= 0, rule in (sqrt, uniform, all); "
                          f"got {q_min}, {budget}, {rule}")
     total = float(c.sum())
+    if rule == "all":  # every decision branched: A_hat_t is the mean of its K differences
+        return Budget(np.ones_like(p), math.inf, total, False)
     w = np.sqrt(p / c) if rule == "sqrt" else np.ones_like(p)
     pos = w > 0
     full = c[pos].sum() + q_min * c[~pos].sum()  # spend once every p > 0 decision is at q = 1

@@ -93,20 +93,19 @@ class Config(methods.BaselineConfig):
     q_min: float = 0.05             # q_min, floor of the branch probability
     twins_per_decision: int = 1     # K twins per branched decision
     coupling: bool = True           # twins replay the factual keys (False: partly coupled ablation)
-    budget_rule: str = "sqrt"       # "sqrt" (q ~ sqrt(p / c)) or "uniform" (one q for all)
+    budget_rule: str = "sqrt"       # "sqrt" (q ~ sqrt(p / c)), "uniform" (one q) or "all" (q_t = 1)
     same_evidence_shortcut: bool = True  # D = 0, no rollout, when both searches get the same ids
     twin_chunk: int = 0             # twins rolled out together, chunk after chunk; 0 = all (memory)
-    twin_unit: str = "turn"         # "turn": a twin re-samples y_t whole (the paper); "token": it
-    #                                 forks at one token k ~ r_t and credits it (forks.py, DESIGN 5)
+    twin_unit: str = "turn"         # "turn": a twin re-samples y_t (the paper); "token": forks.py's
     fork_floor: float = 0.1         # token unit: share of the fork law r_t spread over the turn
     twin_scale: str = "rms"         # sigma_hat: "rms" (of the nonzero A_hat as applied) or "d" (of D)
     twin_cap: float = 2.0           # |A_hat / sigma_hat| <= twin_cap: A_traj's scale (0 = no cap)
     control_variate: bool = False   # turn unit: A_hat = g + 1[branched] (D - g) / q, g = (2U - 1) p
     twin_data: bool = False         # twins join their group as training rows, weighted 1/q (turn)
+    traj_term: bool = True          # A = A_traj + twin term; false: the twin term alone (as oracle A*)
     twin_from_turn: int = 0         # branch decisions at turns >= this only (a twin costs a suffix)
     scale_decay: float = 0.9        # EMA decay of sigma_hat
-    line_keys: str = "group"        # key "line": "group" (the sample's line in its group) or "text"
-    #                                 (the text line in the turn: keys restart after a newline)
+    line_keys: str = "group"        # key "line": "group" (line in its group), "text" (text line of turn)
     adv_eps: float = 1e-6           # eps of the GRPO std normalisation
     # --- optim (DESIGN 6) ---
     steps: int = 200                # optimisation steps, one batch of prompts each (at most)
@@ -168,7 +167,7 @@ class Config(methods.BaselineConfig):
         above = {"adv_eps": 0, "clip": 0, "grad_clip": 0, "max_weight_growth": 1,
                  "collective_timeout_h": 0, "vllm_kv_gib": 0}
         unit = ("top_p", "q_min", "fork_floor")  # fractions and probabilities in (0, 1]
-        choices = {"budget_rule": ("sqrt", "uniform"), "twin_unit": ("turn", "token"),
+        choices = {"budget_rule": ("sqrt", "uniform", "all"), "twin_unit": ("turn", "token"),
                    "twin_scale": ("d", "rms"), "line_keys": ("group", "text"),
                    "engine": ("cached", "generate", "vllm"), "vllm_runner": ("v1", "v2")}
         return ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
@@ -180,6 +179,7 @@ class Config(methods.BaselineConfig):
                  ("control_variate", self.twin_unit == "turn" or not self.control_variate, "turn unit only"),
                  ("twin_data", not self.twin_data or self.method in ("twice", "independent")
                   and self.twin_unit == "turn" and self.coupling, "twice's turn unit, coupled"),
+                 ("traj_term", self.traj_term or self.method in methods.TWIN_METHODS, "false: twin methods"),
                  ("scale_decay", 0 <= self.scale_decay < 1, "in [0, 1)"),
                  ("omega", math.isfinite(self.omega), "finite"),
                  ("weight_decay", self.weight_decay >= 0, ">= 0"),

@@ -21,6 +21,8 @@ Learning" (arXiv 2610.31544). train_twice.train_step calls the method through on
   6. Token advantage on the sampled tokens of turn t:  A = A_traj_i + omega A_hat_t / sigma_hat,
      sigma_hat a scale of D itself (twin_scale = d), so omega means the same at every budget.
                                                                               credit.turn_advantages
+  Knobs of the credit frontier (lab/frontier.py): traj_term = false drops A_traj (the twin term
+  alone); budget_rule = all branches every decision (q_t = 1: A_hat_t = mean_j D_t^j).
 
 `twin_credit` is steps 2-6 for the paper's unit, a whole turn. `token_twin_credit` is the token unit
 (twin_unit = token, forks.py): the twin forks one token k ~ r_t of the turn (y_t[:k] kept, y_k
@@ -135,8 +137,8 @@ def twin_credit(cfg, run, step: int, episodes, batch, proto, draw: int = 0) -> t
     (with twin_data the twins' rows join the batch: stats["batch"], data_rows). draw > 0 redraws
     the credit's own randomness (branch draws, y') for the same episodes: the gradient audit's
     replicates (lab/gradaudit.py); training uses draw 0."""
-    # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome).
-    a_traj = run.method.trajectory_advantages(episodes)
+    # 2. Trajectory advantage A_traj (GRPO's group-normalised outcome; traj_term = false: none).
+    a_traj = trajectory_term(cfg, run, episodes)
     decisions = decision_table(cfg, episodes)
     # 3. Budget rule: q_t from the predicted discordance p_t and the cost c_t; keyed branch draws.
     p = run.predictor.predict(decisions.features)
@@ -177,7 +179,7 @@ def token_twin_credit(cfg, run, step: int, episodes, batch, proto, draw: int = 0
     """Steps 2-6 with twin_unit = token (forks.py): each branched turn forks at one token k ~ r_t,
     and that token alone carries the twin term; the turn's other tokens carry A_traj (draw: as
     twin_credit's)."""
-    a_traj = run.method.trajectory_advantages(episodes)
+    a_traj = trajectory_term(cfg, run, episodes)
     decisions = decision_table(cfg, episodes)
     # DEVIATION F1: a fork at one token k ~ r_t of the turn, not the whole turn re-sampled
     table = forks.token_table(episodes, decisions, run.tok)
@@ -211,6 +213,14 @@ def token_twin_credit(cfg, run, step: int, episodes, batch, proto, draw: int = 0
 
 # ---------------------------------------------------------------------------------------------
 # The pieces both units share
+
+def trajectory_term(cfg, run, episodes) -> np.ndarray:
+    """Step 2: A_traj of each line, or 0 with traj_term = false: the twin term alone carries the
+    credit, as the oracle alone carries A* (methods/oracle.py), so a turn without a discordant twin
+    gets no gradient."""
+    a_traj = run.method.trajectory_advantages(episodes)
+    return a_traj if cfg.traj_term else np.zeros_like(a_traj)
+
 
 def decision_table(cfg, episodes) -> "rollout.Decisions":
     """Every decision of the batch with its features, cost c_t and key; the group's success rate
@@ -266,8 +276,8 @@ def data_rows(cfg, episodes, decisions, pairs, twins, q, sigma) -> tuple:
     decision's twin (q = 1), though q_t was chosen from the factual outcome. A self-twin's row is
     its factual line from turn t on (the same keys give the same tokens); same-evidence twins are
     rolled out (roll_twins). A line and its twins get A_traj = U minus the mean outcome of the
-    group's other lines (credit.line_out_advantages); a twin's turn t adds the mirrored pair credit
-    -omega clip(D / sigma_hat, +-twin_cap), D = U - U'. Returns (rows, their turn advantages,
+    group's other lines (credit.line_out_advantages; 0 with traj_term = false); a twin's turn t adds
+    the mirrored pair credit -omega clip(D / sigma_hat, +-twin_cap), D = U - U'. Returns (rows, their turn advantages,
     weights, the factual lines' A_traj, the rows' A_traj)."""
     rows, owners = [], []
     for (n, _), tw in zip(pairs, twins):
@@ -284,6 +294,8 @@ def data_rows(cfg, episodes, decisions, pairs, twins, q, sigma) -> tuple:
     a_traj, a_rows = credit.line_out_advantages([ep.reward for ep in episodes], cfg.group_size,
                                                 [(i, r.reward) for (_, i, _, _), r
                                                  in zip(owners, rows)], cfg.adv_eps)
+    if not cfg.traj_term:  # the pair credit alone, on the factual lines and on the rows
+        a_traj, a_rows = np.zeros_like(a_traj), np.zeros_like(a_rows)
     row_adv = []
     for (n, i, t, d), row, a in zip(owners, rows, a_rows):
         adv = np.full(len(row.turns), a)

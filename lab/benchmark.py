@@ -89,27 +89,13 @@ def flags(label: str) -> list:
         # the estimator the committed runs used (the defaults before 2026-12-05: scale of D, no cap)
         as_run = ["--twin_scale=d", "--twin_cap=0"]
         if parts[0] == "twice" and len(parts) >= 4 and parts[1] in ("turn", "token"):
-            extra = []
-            for part in parts[4:]:  # "-capC": the bounded term (rms scale, cap C; DESIGN.md section 5);
-                if part.startswith("cap"):  # "-data": twins as rows; "-lateK": decisions at turns >= K
-                    as_run = ["--twin_scale=rms", f"--twin_cap={float(part[3:])}"]
-                elif part == "data":
-                    extra.append("--twin_data=true")
-                elif part.startswith("late"):
-                    extra.append(f"--twin_from_turn={int(part[4:])}")
-                else:
-                    raise ValueError(unreadable)
-            return out + [
-                "--method=twice", f"--twin_unit={parts[1]}", f"--twin_budget={float(parts[2][1:])}",
-                f"--omega={float(parts[3][1:])}"
-            ] + as_run + extra
-        if parts[0] == "independent" and len(parts) in (3, 4):
-            if len(parts) == 4:  # "-capC": the bounded term, as TWICE's
-                if not parts[3].startswith("cap"):
-                    raise ValueError(unreadable)
-                as_run = ["--twin_scale=rms", f"--twin_cap={float(parts[3][3:])}"]
-            return out + ["--method=independent", f"--twin_budget={float(parts[1][1:])}",
-                          f"--omega={float(parts[2][1:])}"] + as_run
+            as_run, extra = modifiers(parts[4:], as_run, unreadable)
+            return out + ["--method=twice", f"--twin_unit={parts[1]}", *budget(parts[2]),
+                          f"--omega={float(parts[3][1:])}"] + as_run + extra
+        if parts[0] == "independent" and len(parts) >= 3:
+            as_run, extra = modifiers(parts[3:], as_run, unreadable)
+            return out + ["--method=independent", *budget(parts[1]),
+                          f"--omega={float(parts[2][1:])}"] + as_run + extra
         if parts[0] == "oracle" and len(parts) in (2, 3):  # "oracle-mM[-traj]": the ceiling (methods/oracle.py)
             if len(parts) == 3 and parts[2] != "traj" or not parts[1].startswith("m"):
                 raise ValueError(unreadable)
@@ -122,6 +108,40 @@ def flags(label: str) -> list:
     except ValueError as e:  # a number that does not parse
         raise ValueError(unreadable) from e
     raise ValueError(unreadable)
+
+
+def budget(part: str) -> list:
+    """A twin label's budget: "bX" twin_budget X (the budget rule's q_t), "q1" every decision
+    branched (budget_rule = all)."""
+    if part == "q1":
+        return ["--budget_rule=all"]
+    if not part.startswith("b"):
+        raise ValueError(part)
+    return [f"--twin_budget={float(part[1:])}"]
+
+
+def modifiers(parts: list, as_run: list, unreadable: str) -> tuple:
+    """(scale flags, other flags) of a twin label's modifiers, each "-"-separated part one flag:
+    "capC" the bounded term (rms scale, cap C; DESIGN.md section 5), "data" twins as rows, "lateK"
+    decisions at turns >= K, "solo" the twin term without A_traj, "kK" K twins per decision,
+    "noshort" no same-evidence shortcut."""
+    extra = []
+    for part in parts:
+        if part.startswith("cap"):
+            as_run = ["--twin_scale=rms", f"--twin_cap={float(part[3:])}"]
+        elif part == "data":
+            extra.append("--twin_data=true")
+        elif part.startswith("late"):
+            extra.append(f"--twin_from_turn={int(part[4:])}")
+        elif part == "solo":
+            extra.append("--traj_term=false")
+        elif part.startswith("k") and part[1:].isdigit():
+            extra.append(f"--twins_per_decision={int(part[1:])}")
+        elif part == "noshort":
+            extra.append("--same_evidence_shortcut=false")
+        else:
+            raise ValueError(unreadable)
+    return as_run, extra
 
 
 # --- the committed outputs ---

@@ -59,7 +59,7 @@ class BaselineConfig:
                    "oracle_rollouts": ("oracle",), "twin_scale": ("oracle",)}
         at_least = {"vine_k": 1, "hgpo_k": 0, "arpo_beam": 1, "tree_m": 1, "tree_l": 1,
                     "estimator_lr_scale": 0, "spa_beta": 0, "prm_rollouts": 0, "craft_beta": 0,
-                    "oracle_rollouts": 2}
+                    "oracle_rollouts": 1}
         checks = ([(k, getattr(self, k) >= v, f">= {v}") for k, v in at_least.items()] +
                   [(k, 0 < getattr(self, k) <= 1, "in (0, 1]")
                    for k in ("step_gamma", "arpo_initial", "gamma")] +

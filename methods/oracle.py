@@ -40,11 +40,13 @@ def requests(episodes, decisions, M: int, first: int = 0) -> list:
 
 
 def estimates(x, n: int, M: int) -> dict:
-    """A* = Q - V, its SE, Q, V and the rollouts' tokens, each (n,), from the (n * 2 * M, 2)
-    outcome and token counts of `requests`' rollouts."""
+    """A* = Q - V, its SE (nan at M = 1), Q, V and the rollouts' tokens, each (n,), from the
+    (n * 2 * M, 2) outcome and token counts of `requests`' rollouts."""
     x = np.asarray(x, dtype=np.float64).reshape(n, 2, M, 2)
     q, v = x[:, 0, :, 0], x[:, 1, :, 0]
-    return {"a": q.mean(1) - v.mean(1), "se": np.sqrt(q.var(1, ddof=1) / M + v.var(1, ddof=1) / M),
+    # one rollout per side (M = 1) has no spread to estimate: its SE is nan, not 0
+    se = np.sqrt(q.var(1, ddof=1) / M + v.var(1, ddof=1) / M) if M > 1 else np.full(n, np.nan)
+    return {"a": q.mean(1) - v.mean(1), "se": se,
             "q": q.mean(1), "v": v.mean(1), "tokens": x[..., 1].sum((1, 2))}
 
 

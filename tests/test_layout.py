@@ -29,7 +29,7 @@ ORDER = [
     "retrieval.limits", "retrieval.server",
     "worlds.lock", "worlds.base", "worlds.tiny", "worlds.chains", "worlds.build", "worlds.data",
     "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark", "lab.suite",
-    "lab.headroom", "lab.gradaudit",
+    "lab.headroom", "lab.frontier", "lab.gradaudit",
     "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_vllm", "perf.bench_server",
     "perf.bench", "perf.budget",
     "perf.gpucheck", "perf.nodecheck", "perf.smoke", "perf.probe", "perf.cpucheck",

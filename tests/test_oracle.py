@@ -100,7 +100,7 @@ def test_two_steps_resume_exactly_and_charge_only_factual_tokens(tmp_path):
 
 def test_knobs_are_checked():
     with pytest.raises(ValueError, match="oracle_rollouts"):
-        tt.parse_config(["--method=oracle", "--oracle_rollouts=1"])
+        tt.parse_config(["--method=oracle", "--oracle_rollouts=0"])
     with pytest.raises(ValueError, match="twin_scale"):
         tt.parse_config(["--method=oracle", "--twin_scale=d"])
-    tt.parse_config(["--method=grpo", "--oracle_rollouts=1"])  # read by the oracle alone
+    tt.parse_config(["--method=grpo", "--oracle_rollouts=0"])  # read by the oracle alone
