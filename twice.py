@@ -172,7 +172,8 @@ def twin_credit(cfg, run, step: int, episodes, batch, proto, draw: int = 0) -> t
                    terms(cfg, a_traj, a_flat / sigma, adv, traj, budget, episodes, twins, len(rows)))
     if rows:
         out["batch"] = batch
-    return adv, {**out, "twin_adv": adv - traj}
+    shown = per_decision(decisions, budget, branched, a_flat, sigma)
+    return adv, {**out, "twin_adv": adv - traj, "credit": shown}
 
 
 def token_twin_credit(cfg, run, step: int, episodes, batch, proto, draw: int = 0) -> tuple:
@@ -208,7 +209,8 @@ def token_twin_credit(cfg, run, step: int, episodes, batch, proto, draw: int = 0
         adv[i, len(episodes[i].prompt_ids) + episodes[i].turns[t].start + k] += term[n]
     return adv, {**counters(twins, decisions, budget, fit,
                             terms(cfg, a_traj, scaled, adv, traj, budget, episodes, twins)),
-                 "twin_adv": adv - traj}
+                 "twin_adv": adv - traj,
+                 "credit": per_decision(decisions, budget, branched, a_flat, sigma)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +279,8 @@ def data_rows(cfg, episodes, decisions, pairs, twins, q, sigma) -> tuple:
     its factual line from turn t on (the same keys give the same tokens); same-evidence twins are
     rolled out (roll_twins). A line and its twins get A_traj = U minus the mean outcome of the
     group's other lines (credit.line_out_advantages; 0 with traj_term = false); a twin's turn t adds
-    the mirrored pair credit -omega clip(D / sigma_hat, +-twin_cap), D = U - U'. Returns (rows, their turn advantages,
-    weights, the factual lines' A_traj, the rows' A_traj)."""
+    the mirrored pair credit -omega clip(D / sigma_hat, +-twin_cap), D = U - U'. Returns (rows,
+    their turn advantages, weights, the factual lines' A_traj, the rows' A_traj)."""
     rows, owners = [], []
     for (n, _), tw in zip(pairs, twins):
         i, t = decisions.index[n]
@@ -337,6 +339,13 @@ def scale_step(cfg, run, diffs, branched, q, a_flat) -> float:
     total, n = np.sum(gather_list(run.accel, [(mean_square, len(q))]), axis=0)
     run.sigma_hat.update_d(total / n if n else 0.0)
     return sigma
+
+
+def per_decision(decisions, budget, branched, a_flat, sigma) -> dict:
+    """Each decision's (episode, turn), q_t, branch and Horvitz-Thompson credit A_hat_t, and the
+    batch's sigma_hat: what lab/twinview.py shows beside the twins (no counter reads it)."""
+    return {"index": list(decisions.index), "q": budget.q, "branched": branched, "a_hat": a_flat,
+            "sigma": sigma}
 
 
 def counters(twins, decisions, budget, fit, term_sums) -> dict:

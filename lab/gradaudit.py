@@ -3,6 +3,7 @@ learning. At a fixed policy, each method's policy gradient on the same factual b
 and its variance split into credit noise and episode sampling.
 
     python -m lab.gradaudit run WORLD [--policy DIR] [--tag warm]   # results/gradaudit/WORLD-TAG/gradaudit.json
+    python -m lab.gradaudit run luck-high --labels frontier --tag frontier-warm   # the credit frontier's rungs
     python -m lab.gradaudit checkpoint WORLD                        # the mid-training policy: GRPO, half its updates
     python -m lab.gradaudit report                                  # results/gradaudit/summary.md from every json
 
@@ -22,8 +23,10 @@ benchmark label's knobs: lab/benchmark.flags):
   4. Per method: cos(g_br, reference) (mean over draws, then mean +- SE over batches); the same for the draws' mean
      (credit noise averaged R-fold); and the variance of one batch gradient, trace of the covariance, split
      (nested ANOVA, `variance_split`) into credit noise E_b Var_r(g | b) and episode sampling Var_b E_r(g | b).
-Every policy, predictor and running scale starts fresh for each draw (the trainer's first step), so draws are
-exchangeable. What it does not know: the update's later steps (Adam's scaling, the clip), only the direction of
+Each method's generated tokens beyond the factual batch (twins, continuations, the oracle's rollouts) are counted
+per decision, so the cosine can be read against what a method spends (`--labels frontier`: the rungs of
+lab/frontier.py). Every policy, predictor and running scale starts fresh for each draw (the trainer's first step), so
+draws are exchangeable. What it does not know: the update's later steps (Adam's scaling, the clip), only the direction of
 one batch's gradient.
 """
 import argparse
@@ -38,7 +41,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from lab import benchmark, headroom, suite
+from lab import benchmark, frontier, headroom, suite
 import credit
 import eval as qa_eval
 import forks
@@ -58,6 +61,10 @@ def labels(world: str) -> list:
     """GRPO, GRPO-matched, TWICE credit only, the independent counterfactual, twins as rows, the oracle arm."""
     return [lab for lab in (headroom.GRPO, headroom.matched(world), headroom.CREDIT, INDEPENDENT, headroom.DATA,
                             headroom.ORACLE) if lab]  # GRPO-matched once chosen
+
+
+# the credit frontier's rungs (lab/frontier.py): GRPO, TWICE's ladder, its independent counterparts, the oracle
+FRONTIER = (headroom.GRPO, *frontier.LADDER.values(), *frontier.INDEPENDENT, "oracle-m4", headroom.ORACLE)
 
 
 def config_of(world: str, label: str, policy: str) -> tt.Config:
@@ -80,12 +87,19 @@ def draws_of(label: str, R: int) -> int:
     return R if label.startswith(("twice", "independent", "oracle")) else 1
 
 
+def aux_tokens(stats: dict) -> int:
+    """The tokens a method's credit generated beyond the factual batch (twins, continuations, oracle rollouts)."""
+    if "twins" in stats:
+        return sum(tw.tokens for tw in stats["twins"])
+    return stats.get("aux_tokens", 0) + stats.get("oracle_tokens", 0)
+
+
 def batch_gradients(cfg, run, step: int, episodes, draws: int) -> tuple:
     """([g_r] over the draws, and for the oracle [the raw-A* gradient of each draw]), float64 vectors (token
-    means)."""
+    means), and the credit's generated tokens of each draw."""
     proto = protocol.protocol_from(cfg)
     base = rollout.collate(episodes, run.tok.pad_token_id, cfg.max_context)
-    grads, raw = [], []
+    grads, raw, spent = [], [], []
     for r in range(draws):
         fresh = fresh_run(cfg, run.policy, run.tok, run.retriever, run.rows)
         with torch.no_grad():
@@ -97,6 +111,7 @@ def batch_gradients(cfg, run, step: int, episodes, draws: int) -> tuple:
                 kw = {"draw": r} if cfg.method in ("twice", "independent") else {}
                 adv, stats = fresh.method.advantages(fresh, step, episodes, base, proto, **kw)
         batch = stats.get("batch", base)
+        spent.append(aux_tokens(stats))
         advs = [adv]
         if cfg.method == "oracle":
             advs.append(credit.spread_over_tokens(a_star, rollout.turn_spans(episodes), adv.shape[1]))
@@ -106,7 +121,7 @@ def batch_gradients(cfg, run, step: int, episodes, draws: int) -> tuple:
         grads.append(gs[0].double().numpy() / tokens)
         raw += [gs[1].double().numpy() / tokens] if len(gs) > 1 else []
         engine.free_cache(run.policy)
-    return grads, raw
+    return grads, raw, spent
 
 
 # --- the statistics ---
@@ -165,26 +180,32 @@ def references(raw) -> tuple:
 
 # --- the run ---
 
-def run_audit(world: str, policy_dir: str, tag: str, batches: int, draws: int, out: str) -> dict:
+def run_audit(world: str, policy_dir: str, tag: str, batches: int, draws: int, out: str, arms=()) -> dict:
+    """The audit of the arms (default: `labels(world)`); the reference is the raw A* of the oracle M = 16 arm."""
     torch.set_num_threads(1)
+    arms = list(arms) or labels(world)
+    if headroom.ORACLE not in arms:
+        raise ValueError(f"the reference is {headroom.ORACLE}'s raw A*: add it to the labels")
     cfg0 = config_of(world, headroom.GRPO, policy_dir)
     policy, tok = qa_eval.load_policy(policy_dir, "cpu", torch.float32)
     policy.eval()
     retriever = qa_eval.load_retriever(cfg0.index)
     rows = qa_eval.load_qa(cfg0.train_data)
-    grads, raw, times, start = {}, [], {}, time.time()
+    grads, raw, times, spent, decisions, start = {}, [], {}, {}, {}, time.time()
     for b in range(batches):
         factual = {}  # lines per prompt -> the batch's episodes (every method with G lines shares them)
-        for label in labels(world):
+        for label in arms:
             t0, cfg = time.time(), config_of(world, label, policy_dir)
             run = fresh_run(cfg, policy, tok, retriever, rows)
             if cfg.group_size not in factual:
                 prompts = rollout.step_prompts(rows, cfg.prompts_per_step, cfg.seed, b)
                 with torch.no_grad():
                     factual[cfg.group_size] = run.method.rollout(run, b, prompts, protocol.protocol_from(cfg))
-            g, r = batch_gradients(cfg, run, b, factual[cfg.group_size], draws_of(label, draws))
+            g, r, n = batch_gradients(cfg, run, b, factual[cfg.group_size], draws_of(label, draws))
             grads.setdefault(label, []).append(g)
-            raw += [r] if r else []
+            raw += [r] if label == headroom.ORACLE else []
+            spent[label] = spent.get(label, 0) + sum(n) / len(n)
+            decisions[label] = decisions.get(label, 0) + sum(len(ep.turns) for ep in factual[cfg.group_size])
             times[label] = times.get(label, 0.0) + time.time() - t0
         print(f"gradaudit {world} {tag}: batch {b + 1}/{batches} in {time.time() - start:.0f} s", flush=True)
     refs, split_half = references(raw)
@@ -193,7 +214,8 @@ def run_audit(world: str, policy_dir: str, tag: str, batches: int, draws: int, o
               "reference_cos": reference_cos(split_half, batches),
               "params": int(len(refs[0])), "methods": {}}
     for label, g in grads.items():
-        result["methods"][label] = {**cosines(g, refs), **variance_split(g), "seconds": round(times[label], 1)}
+        result["methods"][label] = {**cosines(g, refs), **variance_split(g), "seconds": round(times[label], 1),
+                                    "aux_tokens_per_decision": spent[label] / decisions[label]}
     result["wall_s"] = round(time.time() - start, 1)
     os.makedirs(out, exist_ok=True)
     benchmark.write_json(os.path.join(out, "gradaudit.json"), result)
@@ -248,14 +270,15 @@ def summary(results: str = RESULTS) -> str:
         policy = described(os.path.join(ROOT, res["policy"]))
         lines += [f"## {res['world']}, {res['tag']} ({policy}): {res['batches']} batches x {res['draws']} "
                   f"draws, reference split-half cos {res['reference_split_half_cos']:.3f} (reference cos {ref:.2f})",
-                  "", "| method | cos | cos (R draws) | cos / ref | credit noise | sampling | SNR | s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "", "| method | cos | cos (R draws) | cos / ref | credit noise | sampling | SNR | aux tokens / decision "
+                  "| s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for label, m in res["methods"].items():
             total = m["total"] if m["total"] > 0 else float("nan")
+            aux = f"{m['aux_tokens_per_decision']:.1f}" if "aux_tokens_per_decision" in m else "-"  # since 2026-12-07
             lines.append(f"| {suite.method(label)} | {m['cos']:.3f} +- {m['cos_se']:.3f} | "
                          f"{m['cos_mean_of_draws']:.3f} +- {m['cos_mean_of_draws_se']:.3f} | {m['cos'] / ref:.2f} | "
                          f"{m['credit_noise'] / total:.2f} | {m['sampling'] / total:.2f} | "
-                         f"{m['signal'] / total:.3f} | {m['seconds']:.0f} |")
+                         f"{m['signal'] / total:.3f} | {aux} | {m['seconds']:.0f} |")
         lines.append("")
     text = "\n".join(lines)
     os.makedirs(results, exist_ok=True)
@@ -274,6 +297,8 @@ def main(argv=None):
     parser.add_argument("--draws", type=int, default=2, help="R credit draws per batch")
     parser.add_argument("--scratch", default="runs/gradaudit", help="where checkpoint trains")
     parser.add_argument("--results", default=RESULTS, help="where the json goes (WORLD-TAG/) and the summary")
+    parser.add_argument("--labels", default="", help="comma-separated run labels to audit (with oracle-m16, the "
+                                                     "reference), or 'frontier': the credit frontier's rungs")
     a = parser.parse_args(argv)
     if a.command == "report":
         print(summary(a.results))
@@ -286,7 +311,8 @@ def main(argv=None):
     if a.batches < 3 or a.draws < 2:
         parser.error("--batches >= 3 (a leave-one-out reference and a split half) and --draws >= 2 (credit noise)")
     policy = a.policy or os.path.join(suite.world_dir(a.world), "policy")
-    res = run_audit(a.world, policy, a.tag, a.batches, a.draws, os.path.join(a.results, f"{a.world}-{a.tag}"))
+    arms = FRONTIER if a.labels == "frontier" else tuple(filter(None, a.labels.split(",")))
+    res = run_audit(a.world, policy, a.tag, a.batches, a.draws, os.path.join(a.results, f"{a.world}-{a.tag}"), arms)
     print(json.dumps({k: {m: round(v["cos"], 3) for m, v in res["methods"].items()} if k == "methods" else v
                       for k, v in res.items()}, indent=1))
     return 0

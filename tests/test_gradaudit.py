@@ -88,12 +88,13 @@ def config(*flags):
 def test_twice_draw_zero_is_trainings_credit_and_a_draw_redraws_it(tiny):
     run, episodes = tiny
     cfg = config("--method=twice", "--twin_budget=1", "--q_min=1", "--twin_cap=2")  # every decision branches
-    grads, raw = gradaudit.batch_gradients(cfg, run, 0, episodes, 2)
+    grads, raw, spent = gradaudit.batch_gradients(cfg, run, 0, episodes, 2)
     assert len(grads) == 2 and raw == []
     fresh = gradaudit.fresh_run(cfg, run.policy, run.tok, run.retriever, run.rows)
     batch = rollout.collate(episodes, run.tok.pad_token_id, cfg.max_context)
     with torch.no_grad():
-        adv, _ = fresh.method.advantages(fresh, 0, episodes, batch, protocol.protocol_from(cfg))
+        adv, stats = fresh.method.advantages(fresh, 0, episodes, batch, protocol.protocol_from(cfg))
+    assert spent[0] == sum(tw.tokens for tw in stats["twins"]) > 0  # the twins' generated tokens, draw 0's
     want = logprobs.policy_gradients(run.policy, batch, [torch.tensor(adv[:, 1:], dtype=torch.float32)],
                                      cfg.temperature, cfg.micro_batch_size)[0].double().numpy()
     np.testing.assert_allclose(grads[0], want / float(batch["loss_mask"][:, 1:].sum()), rtol=1e-6, atol=1e-12)
@@ -104,7 +105,7 @@ def test_twice_draw_zero_is_trainings_credit_and_a_draw_redraws_it(tiny):
 def test_oracle_draws_and_the_reference_gradient(tiny):
     run, episodes = tiny
     cfg = config("--method=oracle", "--twin_cap=0")  # no clip: the arm's advantage is A* / sigma_hat exactly
-    grads, raw = gradaudit.batch_gradients(cfg, run, 0, episodes, 2)
+    grads, raw, spent = gradaudit.batch_gradients(cfg, run, 0, episodes, 2)
     assert len(grads) == len(raw) == 2
     for g, r in zip(grads, raw):
         assert gradaudit.cosine(g, r) == pytest.approx(1.0, abs=1e-6)
@@ -116,3 +117,18 @@ def test_oracle_draws_and_the_reference_gradient(tiny):
     np.testing.assert_allclose(np.concatenate(eight), (np.concatenate(first) + np.concatenate(second)) / 2,
                                atol=1e-12)
     assert not np.allclose(np.concatenate(first), np.concatenate(second))
+    _, est1 = oracle.oracle_credit(run.policy, run.tok, run.retriever, episodes, 4, proto, 1)
+    assert spent == [oracle.oracle_credit(run.policy, run.tok, run.retriever, episodes, 4, proto, 0)[1]["tokens"].sum(),
+                     est1["tokens"].sum()]  # every rollout of A*, per draw
+
+
+def test_the_frontier_rungs_are_audited_against_the_oracle_reference():
+    # every rung reads as a run of luck-high's settings; the reference arm must be among them
+    for label in gradaudit.FRONTIER:
+        cfg = gradaudit.config_of("luck-high", label, "unused")
+        assert cfg.method == label.split("-")[0] and cfg.steps > 0
+    assert gradaudit.FRONTIER[-1] == "oracle-m16" and "twice-turn-q1-w1-cap2-solo-k16" in gradaudit.FRONTIER
+    with pytest.raises(ValueError, match="the reference is oracle-m16's raw A"):
+        gradaudit.run_audit("luck-high", "unused", "x", 3, 2, "unused", ["grpo", "oracle-m4"])
+    assert gradaudit.aux_tokens({"twins": [SimpleNamespace(tokens=3), SimpleNamespace(tokens=4)]}) == 7
+    assert gradaudit.aux_tokens({"aux_tokens": 0, "oracle_tokens": 90}) == 90

@@ -28,7 +28,7 @@ ORDER = [
     "methods.baselines", "methods.learned", "methods.oracle", "methods", "train_twice",
     "retrieval.limits", "retrieval.server",
     "worlds.lock", "worlds.base", "worlds.tiny", "worlds.chains", "worlds.build", "worlds.data",
-    "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.replay", "lab.benchmark", "lab.suite",
+    "lab.report", "lab.audit_scores", "lab.audit_methods", "lab.audit", "lab.twinview", "lab.replay", "lab.benchmark", "lab.suite",
     "lab.headroom", "lab.frontier", "lab.gradaudit",
     "perf.memtrack", "perf.memprobe", "perf.ledger", "perf.bench_engine", "perf.bench_vllm", "perf.bench_server",
     "perf.bench", "perf.budget",

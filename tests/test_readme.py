@@ -29,6 +29,8 @@ NOT_HERE = {  # a README command (regular expression) -> why this suite does not
                                                                 "trains the arm two steps and resumes it",
     r"^python -m lab.headroom run ": "hours of training runs: tests/test_headroom.py checks the plans and the table",
     r"^python -m lab.gradaudit run ": "tens of minutes: tests/test_gradaudit.py runs its parts on the tiny world",
+    r"^python -m lab.frontier run": "hours of training runs (and its report rewrites results/frontier): "
+                                    "tests/test_frontier.py checks the stages, the choices and the table",
     r"^python -m worlds.data convert ": "needs a Search-R1 parquet: tests/test_data.py converts one it writes",
     r"^python -m perf.ledger configs/": "minutes per preset; tests/test_ledger.py runs the ledger small",
     r"^python -m worlds.build --out data/(tinyworld|chains)": "a full build; tests/test_world*.py build both "
@@ -137,6 +139,15 @@ def replay(ctx, cmd):
     assert "tokens identical to episodes.jsonl" in proc.stdout, proc.stdout[-1000:]
 
 
+def replay_page(ctx, cmd):
+    """The README's step as one page: a self-contained HTML file of the step's lines and twins."""
+    step, page = ctx.last - 1, os.path.join(ctx.tmp, "step.html")
+    words = [{"20": str(step), "step20.html": page}.get(w, w) for w in ctx.swap(cmd)]
+    assert f"wrote {page}" in run(words).stdout
+    text = open(page, encoding="utf-8").read()
+    assert text.startswith("<!doctype html>") and f"step {step}" in text and 'class="line"' in text
+
+
 def bm25_index(ctx, cmd):
     run(ctx.swap(cmd))
     assert json.load(open(os.path.join(ctx.tmp, "index_bm25", "meta.json")))["encoder"] == "bm25"
@@ -191,7 +202,8 @@ RUNS = [
     ("demo", r"^python train_twice.py configs/demo.cfg --method=grpo --out_dir=runs/demo/grpo$", grpo_run),
     ("demo", r"^python train_twice.py configs/demo.cfg --resume=", resume),
     ("demo", r"^python eval.py --model runs/demo/twice/", plain_small("--limit=3")),
-    ("demo", r"^python rollout.py replay ", replay),
+    ("demo", r"^python rollout.py replay (?!.*--html)", replay),
+    ("demo", r"^python rollout.py replay .*--html", replay_page),
     ("demo", r"^python -m lab.report paired runs/compare-methods", lambda ctx, cmd: run(
         [sys.executable, "-m", "lab.report", "paired", *sorted(
             os.path.join(ctx.tmp, "runs/compare-methods", d)
