@@ -27,7 +27,6 @@ def folders(tmp_path, monkeypatch):
     """Empty results folders for the headroom, the suite and chains' samples set."""
     for name, attr in ((headroom, "RESULTS"), (suite, "RESULTS"), (suite, "CHAINS_SAMPLES")):
         monkeypatch.setattr(name, attr, str(tmp_path / f"{name.__name__}-{attr}"))
-    monkeypatch.setattr(headroom, "FIGURE", str(tmp_path / "headroom.png"))  # not the committed figure
     return tmp_path
 
 
