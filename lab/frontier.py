@@ -293,7 +293,8 @@ def arm_table(runs: dict, ch: dict, seeds: tuple) -> list:
              "- GRPO's | mean EM over updates - GRPO's | share of the oracle's gain | - rows line at its cost | "
              "(mean over updates) | wall min |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    order = sorted(pts, key=lambda lab: (FAMILIES.index(pts[lab]["family"]), pts[lab]["cost"]))
+    order = sorted(pts, key=lambda lab: (FAMILIES.index(pts[lab]["family"]), pts[lab]["rung"] if
+                                         len(pts[lab]["rung"]) == 1 else "", pts[lab]["cost"]))
     for lab in order:
         p = pts[lab]
         share = "-" if lab == GRPO or np.isnan(p["share"]) else f"{p['share']:.2f}"
@@ -370,35 +371,43 @@ def p_share(p: dict) -> float:
 
 
 def plot(pts: dict, path: str):
-    """Gain over GRPO per update (after N; mean over updates) against tokens per update / GRPO's, one line a family,
-    the oracle M = 16's gain drawn across."""
+    """Gain over GRPO per update (after N; mean over updates) against tokens per update / GRPO's: a line along each
+    knob that buys credit with tokens (G, K at q = 1, M, VinePPO's K), the other coupled rungs as points, the oracle
+    M = 16's gain drawn across."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, ScalarFormatter
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
     colours = {"rows": "black", "coupled": "tab:blue", "independent": "tab:orange", "oracle": "tab:green",
                "vineppo": "tab:purple"}
+    lined = set(ROWS) | {LADDER[r] for r in "cde"} | set(INDEPENDENT) | set(MC)
     for ax, key, title in ((axes[0], "after", f"EM after {N} updates"), (axes[1], "mean", f"mean EM over updates 0-{N}")):
         for fam in FAMILIES:
-            arms = sorted((p["cost"], p[key][0], p[key][1], p["rung"]) for lab, p in pts.items()
-                          if p["family"] == fam and (lab != GRPO or fam == "rows"))
-            if not arms:
-                continue
-            x, y, e, names = zip(*arms)
-            y = [0.0 if np.isnan(v) else v for v in y]
-            ax.errorbar(x, y, yerr=[0.0 if np.isnan(v) else v for v in e], marker="o", ms=4, capsize=2, lw=1.2,
-                        color=colours[fam], label=fam, alpha=0.9)
-            for xi, yi, n in zip(x, y, names):
-                ax.annotate(n, (xi, yi), fontsize=6.5, xytext=(3, 3), textcoords="offset points", color=colours[fam])
+            for on_line in (True, False):
+                arms = sorted((p["cost"], p[key][0], p[key][1], p["rung"]) for lab, p in pts.items()
+                              if p["family"] == fam and (lab in lined) == on_line and not np.isnan(p[key][0]))
+                if not arms:
+                    continue
+                x, y, e, names = zip(*arms)
+                ax.errorbar(x, y, yerr=[0.0 if np.isnan(v) else v for v in e], marker="o" if on_line else "s",
+                            ms=4, capsize=2, lw=1.2 if on_line else 0, color=colours[fam], alpha=0.9,
+                            label=fam if on_line or fam != "coupled" else "coupled, other rungs")
+                for xi, yi, n in zip(x, y, names):
+                    ax.annotate(n, (xi, yi), fontsize=6.5, xytext=(3, 3), textcoords="offset points",
+                                color=colours[fam])
         if ORACLE in pts:
             ax.axhline(pts[ORACLE][key][0], color="tab:green", ls="--", lw=0.8)
             ax.axhline(pts[ORACLE][key][0] / 2, color="tab:green", ls=":", lw=0.8)
         ax.axhline(0, color="grey", lw=0.6)
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator([1, 2, 5, 10, 20, 50, 100]))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_xlabel("generated tokens per update / GRPO's (log)")
         ax.set_title(title, fontsize=10)
     axes[0].set_ylabel("EM gain over GRPO (same seed), mean +- SE")
-    axes[1].legend(fontsize=8, loc="upper left")
+    axes[1].legend(fontsize=7.5, loc="best")
     fig.suptitle(f"The credit frontier on {WORLD} (dashed: the oracle M = 16's gain; dotted: half of it)", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -422,6 +431,7 @@ def plot_curves(runs: dict, labels: list, names: dict, path: str):
         line, = ax.plot(x, m, marker="o", ms=3, lw=1.4, label=f"{names.get(lab, lab)} ({len(curves)} seeds)")
         ax.fill_between(x, m - se, m + se, color=line.get_color(), alpha=0.18, lw=0)
     ax.set_xlabel("updates")
+    ax.set_xticks(range(0, N + 1, EVERY))
     ax.set_ylabel("greedy EM, 120 test questions")
     ax.set_title(f"{WORLD}: learning per update, mean +- SE over seeds", fontsize=10)
     ax.legend(fontsize=7.5, loc="upper left")
@@ -441,7 +451,9 @@ def curve_arms(pts: dict, ch: dict) -> tuple:
     labels = list(dict.fromkeys(filter(None, [GRPO, rows, LADDER["a"], best("coupled"), best("independent"), ORACLE])))
     names = {GRPO: "GRPO (G = 5)", LADDER["a"]: "TWICE default (a)", ORACLE: "oracle M = 16"}
     for lab in labels:
-        names.setdefault(lab, f"{pts[lab]['family']} {pts[lab]['rung']}" if lab in pts else lab)
+        rows = lab in pts and pts[lab]["family"] == "rows"
+        names.setdefault(lab, f"GRPO, {pts[lab]['rung'].replace('=', ' = ')}" if rows else
+                         f"{pts[lab]['family']} ({pts[lab]['rung']})" if lab in pts else lab)
     return labels, names
 
 
