@@ -457,6 +457,54 @@ def curve_arms(pts: dict, ch: dict) -> tuple:
     return labels, names
 
 
+GRADAUDIT = os.path.join(ROOT, "results", "gradaudit")  # lab/gradaudit.py's `--labels frontier --tag frontier-TAG`
+
+
+def ranks(x) -> np.ndarray:
+    """Ranks 1..n, ties sharing their mean rank."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind="mergesort")
+    r = np.empty(len(x))
+    r[order] = np.arange(1, len(x) + 1)
+    for v in np.unique(x):
+        r[x == v] = r[x == v].mean()
+    return r
+
+
+def spearman(x, y) -> float:
+    return float(np.corrcoef(ranks(x), ranks(y))[0, 1]) if len(x) > 2 else float("nan")
+
+
+def audit_table(pts: dict) -> list:
+    """The gradient audit of the rungs (fixed policies) beside their training: cosine with the oracle's reference,
+    tokens per decision, gains; and how well each policy's cosines order the rungs as training does."""
+    audits = {}
+    for tag in ("warm", "mid"):
+        path = os.path.join(GRADAUDIT, f"{WORLD}-frontier-{tag}", "gradaudit.json")
+        if os.path.isfile(path):
+            audits[tag] = json.load(open(path))["methods"]
+    if not audits:
+        return []
+    tags = list(audits)
+    labels = [lab for lab in audits[tags[0]] if lab in pts]
+    lines = ["| label | " + " | ".join(f"cos ({t})" for t in tags) + " | aux tokens / decision | EM after N - GRPO's "
+             "| mean EM - GRPO's |", "|---|" + "---:|" * (len(tags) + 3)]
+    for lab in labels:
+        m = audits[tags[0]][lab]
+        lines.append(f"| {lab} | " + " | ".join(f"{audits[t][lab]['cos']:.3f} +- {audits[t][lab]['cos_se']:.3f}"
+                                                 for t in tags if lab in audits[t]) +
+                     f" | {m.get('aux_tokens_per_decision', float('nan')):.1f} | {fmt(pts[lab]['after'])} | "
+                     f"{fmt(pts[lab]['mean'])} |")
+    lines.append("")
+    for t in tags:
+        common = [lab for lab in labels if lab in audits[t]]
+        cos = [audits[t][lab]["cos"] for lab in common]
+        lines.append(f"Spearman rank correlation over the {len(common)} audited arms, cos ({t}) against training: "
+                     f"{spearman(cos, [pts[lab]['after'][0] for lab in common]):+.2f} (EM after N), "
+                     f"{spearman(cos, [pts[lab]['mean'][0] for lab in common]):+.2f} (mean EM over updates).")
+    return lines
+
+
 def build_report() -> str:
     ch = chosen()
     dev = load(dev_labels(ch), benchmark.DEV_SEEDS)
@@ -475,6 +523,11 @@ def build_report() -> str:
     lines += arm_table(dev, ch, benchmark.DEV_SEEDS) + [""] + findings(pts) + [""]
     lines += ["EM after N updates against each rows arm, paired by seed:", ""] + rows_table(dev) + [""]
     lines += ["The twin arms' step logs (per step, summed over the runs' steps):", ""] + twin_table(dev) + [""]
+    audit = audit_table(pts)
+    if audit:
+        lines += ["The gradient audit of the same arms (`python -m lab.gradaudit run luck-high --labels frontier --tag "
+                  "frontier-TAG`: one batch's gradient against the oracle's reference at a fixed policy, mean +- SE "
+                  "over batches) beside their training:", ""] + audit + [""]
     plot(pts, FIGURE)
     plot_curves(dev, *curve_arms(pts, ch), CURVES)
     held = load(ch.get("heldout", []), benchmark.HELDOUT_SEEDS)

@@ -243,3 +243,25 @@ def test_runs_of_another_schedule_are_refused_and_choices_are_written_once(resul
     fake(frontier.LADDER["e"], 0, flat(0.2, 0.1), aux=2500)  # a later run changes no choice
     assert frontier.choose() == ch
     assert [lab for lab, _ in frontier.stages("heldout")[0]][:5] == ch["heldout"]
+
+
+def test_the_gradient_audit_beside_training(results, monkeypatch):
+    monkeypatch.setattr(frontier, "GRADAUDIT", str(results / "gradaudit"))
+    assert list(frontier.ranks([3.0, 1.0, 3.0, 2.0])) == [3.5, 1.0, 3.5, 2.0]
+    assert frontier.spearman([1, 2, 3, 4], [10, 20, 25, 40]) == pytest.approx(1.0)
+    assert frontier.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    for s in bm.DEV_SEEDS:
+        fake("grpo", s, flat(0.2, 0.4))
+        for k, lab in enumerate(frontier.LADDER.values()):
+            fake(lab, s, flat(0.2, 0.4 + 0.05 * k), aux=500 * (k + 1))
+    audit = {lab: {"cos": 0.1 * k if k != 2 else 0.05, "cos_se": 0.01, "aux_tokens_per_decision": 2.0 * k}
+             for k, lab in enumerate(["grpo", *frontier.LADDER.values()])}
+    os.makedirs(results / "gradaudit" / "luck-high-frontier-warm")
+    json.dump({"methods": audit}, open(results / "gradaudit" / "luck-high-frontier-warm" / "gradaudit.json", "w"))
+    pts = frontier.points(frontier.load(frontier.dev_labels({}), bm.DEV_SEEDS), {})
+    text = "\n".join(frontier.audit_table(pts))
+    # training: grpo and a tie (+0), then b < c < d < e (ranks 1.5 1.5 3 4 5 6); the cosines order grpo < b < a < c <
+    # d < e (ranks 1 3 2 4 5 6): Pearson of the ranks 15.5 / sqrt(17.5 x 17)
+    rho = 15.5 / np.sqrt(17.5 * 17)
+    assert f"cos (warm) against training: {rho:+.2f} (EM after N)" in text and f"{rho:+.2f}" == "+0.90"
+    assert "| twice-turn-q1-w1-cap2-solo-k16 | 0.500 +- 0.010 | 10.0 | +0.200 +- 0.000 |" in text
