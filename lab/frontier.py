@@ -308,13 +308,14 @@ def arm_table(runs: dict, ch: dict, seeds: tuple) -> list:
     return lines
 
 
-def rows_table(runs: dict) -> list:
-    """EM after N updates of every credit arm minus each rows arm's, paired by seed."""
+def rows_table(runs: dict, path: bool = False) -> list:
+    """EM after N updates (path: the mean EM over updates 0..N) of every credit arm minus each rows arm's, paired
+    by seed."""
     rows = [r for r in ROWS if r in runs]
     lines = ["| label | " + " | ".join(f"- {r}" for r in rows) + " |", "|---|" + "---:|" * len(rows)]
     for lab in runs:
         if family(lab) != "rows":
-            lines.append(f"| {lab} | " + " | ".join(fmt(mean_se(paired(runs, lab, r))) for r in rows) + " |")
+            lines.append(f"| {lab} | " + " | ".join(fmt(mean_se(paired(runs, lab, r, path))) for r in rows) + " |")
     return lines
 
 
@@ -522,6 +523,7 @@ def build_report() -> str:
         return write(lines + ["GRPO has not run on the dev seeds yet.", ""])
     lines += arm_table(dev, ch, benchmark.DEV_SEEDS) + [""] + findings(pts) + [""]
     lines += ["EM after N updates against each rows arm, paired by seed:", ""] + rows_table(dev) + [""]
+    lines += ["Mean EM over updates 0..N against each rows arm, paired by seed:", ""] + rows_table(dev, True) + [""]
     lines += ["The twin arms' step logs (per step, summed over the runs' steps):", ""] + twin_table(dev) + [""]
     audit = audit_table(pts)
     if audit:
@@ -535,6 +537,8 @@ def build_report() -> str:
         lines += ["## Held-out seeds 10-15 (the arms chosen on the dev seeds)", ""]
         lines += arm_table(held, ch, benchmark.HELDOUT_SEEDS) + [""]
         lines += ["EM after N updates against each rows arm, paired by seed:", ""] + rows_table(held) + [""]
+        lines += ["Mean EM over updates 0..N against each rows arm, paired by seed:", ""] + rows_table(held, True)
+        lines += [""]
     return write(lines)
 
 
