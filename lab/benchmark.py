@@ -307,6 +307,14 @@ def plan(name: str, results: str = RESULTS) -> list:
 
 # --- running ---
 
+def write_text(path: str, text: str) -> str:
+    """A generated table (its folder made first); returns the text."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
 def write_json(path: str, obj):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
@@ -592,11 +600,7 @@ def write_tables(results: str, head: list, sets: list, rename: dict,
             f"{len(walls)} of {len(labels) * len(seeds)} runs done; {sum(walls) / 3600:.2f} h of run time "
             "(one thread each, the sum over runs).", ""
         ]
-    text = "\n".join(lines)
-    os.makedirs(results, exist_ok=True)
-    with open(os.path.join(results, "tables.md"), "w") as f:
-        f.write(text)
-    return text
+    return write_text(os.path.join(results, "tables.md"), "\n".join(lines))
 
 
 def main(argv=None):

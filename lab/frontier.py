@@ -543,11 +543,7 @@ def build_report() -> str:
 
 
 def write(lines: list) -> str:
-    text = "\n".join(lines)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "tables.md"), "w") as f:
-        f.write(text)
-    return text
+    return benchmark.write_text(os.path.join(RESULTS, "tables.md"), "\n".join(lines))
 
 
 def main(argv=None):

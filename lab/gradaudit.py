@@ -280,11 +280,7 @@ def summary(results: str = RESULTS) -> str:
                          f"{m['credit_noise'] / total:.2f} | {m['sampling'] / total:.2f} | "
                          f"{m['signal'] / total:.3f} | {aux} | {m['seconds']:.0f} |")
         lines.append("")
-    text = "\n".join(lines)
-    os.makedirs(results, exist_ok=True)
-    with open(os.path.join(results, "summary.md"), "w") as f:
-        f.write(text)
-    return text
+    return benchmark.write_text(os.path.join(results, "summary.md"), "\n".join(lines))
 
 
 def main(argv=None):

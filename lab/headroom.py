@@ -197,11 +197,7 @@ def build_report(seeds_name: str = "dev") -> str:
         for world in WORLDS:
             if any(find(world, ORACLE, s) for s in benchmark.HELDOUT_SEEDS):
                 lines += world_table(world, benchmark.HELDOUT_SEEDS)[0]
-    text = "\n".join(lines)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "tables.md"), "w") as f:
-        f.write(text)
-    return text
+    return benchmark.write_text(os.path.join(RESULTS, "tables.md"), "\n".join(lines))
 
 
 def main(argv=None):
