@@ -76,7 +76,8 @@ def policy_of(run_dir: str, step: int) -> tuple:
     have = [n for n, _ in checkpoint.checkpoint_steps(run_dir)]
     if step == 0 and have:  # the initial policy: the run's cfg.model, loaded as setup() loads it
         state = checkpoint.read_state(os.path.join(run_dir, f"step_{have[0]:06d}"))
-        return state["config"]["model"], {**state, "predictor": None, "token_predictor": None}
+        return state["config"]["model"], {**state, "predictor": None, "token_predictor": None,
+                                          "sigma_hat": None}
     raise ValueError(
         f"{run_dir}: step {step} has no checkpoint step_{step:06d} (its policy is the one after "
         f"{step} updates; every other checkpoint holds another): checkpoints exist for steps "

@@ -3,6 +3,7 @@ every factual token's text and every twin's D and q as the replay computes them 
 token where each twin parts from its line at the position the text replay reports, refers to nothing outside the
 file; bad inputs get one line each and the run folder is left as it was."""
 import json
+import re
 import os
 import shutil
 from html.parser import HTMLParser
@@ -160,3 +161,19 @@ def test_colours_and_folds():
     assert twinview.colour(0.0, 1.0) == "z" and twinview.colour(-1.0, 1.0) == f"n{twinview.BINS}"
     assert twinview.colour(0.01, 1.0) == "p1" and twinview.colour(5.0, 1.0) == f"p{twinview.BINS}"
     assert twinview.colour(float("nan"), 1.0) == "z" and twinview.colour(-0.5, 1.0) == f"n{twinview.BINS // 2 + 1}"
+
+
+def test_an_oracle_page_shows_a_star_and_its_se_per_turn(tiny_world, tmp_path):
+    """The oracle's step 0, replayed from the initial model: every decision's A* and SE, in order, whose means are
+    the ones training logged."""
+    out, path = str(tmp_path / "oracle"), str(tmp_path / "oracle.html")
+    tt.main(tiny_cfg(tiny_world, out, "--method=oracle", "--oracle_rollouts=2", "--steps=1", "--eval_every=0",
+                     "--log_tensorboard=false"))
+    assert replay.main(["--run", out, "--step", "0", "--html", path]) == 0
+    text = open(path, encoding="utf-8").read()
+    shown = np.array([(float(a), float(s)) for a, s in re.findall(r"A\* ([-+][0-9.]+) ± ([0-9.]+)", text)])
+    logged = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    assert len(shown) == round(logged["turns"] * 4 * 3)  # every decision of 4 prompts x 3 lines
+    assert np.abs(shown[:, 0]).mean() == pytest.approx(logged["oracle_abs"], abs=6e-4)
+    assert shown[:, 1].mean() == pytest.approx(logged["oracle_se"], abs=6e-4)
+    assert "twin j=" not in text and "(not in A)" in text  # no twins; the oracle alone: A_traj is not in A
