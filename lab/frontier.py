@@ -11,7 +11,7 @@ the label's flags, benchmark.flags), then FLAGS: N = 20 updates whatever they co
 update are measured from each run's metrics.jsonl, never estimated: factual tokens, auxiliary tokens (twins,
 continuations) and the oracle's rollouts (which the oracle's own runs do not charge: methods/oracle.py).
 
-The arms, dev seeds 0-2, in the order they run (`stages`):
+The arms, dev seeds 0-2, in the order they run (`stages`; (g) after the Monte Carlo arms, G = 128 last):
   rows         GRPO at G = 5, 9, 16, 32, 64 lines per prompt: the tokens spent on more samples (and G = 128 last,
                which takes the rows line past the cost of K = 16 coupled twins)
   coupled      TWICE's ladder, each rung one change from the one before: (a) the paper's budget 0.7, K = 1, A_traj
@@ -150,7 +150,9 @@ def stages(seeds: str) -> list:
         ch = choose()
         return [[(lab, s) for s in benchmark.HELDOUT_SEEDS for lab in ch.get("heldout", [])]]
     ch, dev = choose(), benchmark.DEV_SEEDS
-    groups = [[*ROWS[:-1], *LADDER.values()], variants(ch), list(INDEPENDENT), list(MC), [ROWS[-1]]]
+    # (g), twins as rows, costs ~5x (f) in training: after the Monte Carlo arms, which the shares need
+    groups = [[*ROWS[:-1], *LADDER.values()], variants(ch)[:1], list(INDEPENDENT), list(MC), variants(ch)[1:],
+              [ROWS[-1]]]
     return [[(lab, s) for s in dev for lab in group] for group in groups]
 
 

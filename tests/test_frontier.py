@@ -229,8 +229,9 @@ def test_runs_of_another_schedule_are_refused_and_choices_are_written_once(resul
             fake(lab, s, flat(0.2, 0.7 if k == 4 else 0.4 + 0.05 * k), aux=500 * (k + 1))  # (e) the best
     ch = frontier.choose()
     assert ch["best_coupled"] == frontier.LADDER["e"] and "heldout" not in ch
-    assert [lab for lab, _ in frontier.stages("dev")[1]][:2] == [frontier.LADDER["e"] + "-noshort",
-                                                                 frontier.LADDER["e"] + "-data"]
+    stages = [[lab for lab, _ in stage] for stage in frontier.stages("dev")]
+    assert stages[1][0] == frontier.LADDER["e"] + "-noshort" and stages[4][0] == frontier.LADDER["e"] + "-data"
+    assert stages[5] == ["grpo-g128"] * 3 and stages[3][:5] == list(frontier.MC)
     for s in bm.DEV_SEEDS:  # every other dev arm; the oracle gains +0.4, so half is +0.2: (e), +0.3, the only taker
         for lab in frontier.dev_labels(ch):
             if not frontier.done(lab, s):
