@@ -345,7 +345,7 @@ def findings(pts: dict) -> list:
     """(i) the cheapest arm of each family taking half the oracle's gain; (ii) coupled against independent at the
     same rung; (iii) the credit arms above the rows line at their cost."""
     out = ["(i) Cheapest arm of each family with at least half the oracle M = 16's gain after N updates:"]
-    for fam in FAMILIES[1:]:
+    for fam in FAMILIES[1:] if ORACLE in pts else ():
         arms = [lab for lab, p in pts.items() if p["family"] == fam and lab != ORACLE]
         half = [lab for lab in arms if p_share(pts[lab]) >= 0.5]
         pick = min(half, key=lambda lab: pts[lab]["cost"]) if half else None
@@ -353,6 +353,8 @@ def findings(pts: dict) -> list:
                                    f"update, share {pts[pick]['share']:.2f}" if pick else
                                    "none (" + ", ".join(f"{pts[lab]['rung']} {p_share(pts[lab]):.2f}"
                                                        for lab in arms) + ")"))
+    if ORACLE not in pts:
+        out.append(f"- not yet: {ORACLE} has not run on these seeds")
     out.append("(ii) Coupled minus independent twins at the same decisions and K (gain over GRPO after N updates; "
                "cost ratio coupled / independent):")
     for lab, p in pts.items():
