@@ -396,7 +396,7 @@ def plot(pts: dict, path: str):
                     continue
                 x, y, e, names = zip(*arms)
                 ax.errorbar(x, y, yerr=[0.0 if np.isnan(v) else v for v in e], marker="o" if on_line else "s",
-                            ms=4, capsize=2, lw=1.2 if on_line else 0, color=colours[fam], alpha=0.9,
+                            ms=4, capsize=2, lw=1.2, ls="-" if on_line else "none", color=colours[fam], alpha=0.9,
                             label=fam if on_line or fam != "coupled" else "coupled, other rungs")
                 for xi, yi, n in zip(x, y, names):
                     ax.annotate(n, (xi, yi), fontsize=6.5, xytext=(3, 3), textcoords="offset points",
