@@ -44,7 +44,7 @@ class Watchdog:
         self.timeout_s, self.beat, self.exit = timeout_s, beat, exit
         # a launcher that restarts workers keeps its store: each attempt has its own keys
         self.prefix = f"{prefix}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.lock, self.halt = threading.Lock(), threading.Event()
+        self.lock, self.halt, self.failing = threading.Lock(), threading.Event(), threading.Event()
         self.thread = None
         if store is not None:
             self.thread = threading.Thread(target=self._watch, name="twice-watchdog", daemon=True)
@@ -93,7 +93,7 @@ class Watchdog:
                                       f"{now - answered:.0f} s ({type(e).__name__}: {e})")
 
     def _stop(self, why: str):
-        if self.halt.is_set():  # the run ended meanwhile
+        if self.halt.is_set() or self.failing.is_set():  # the run ended meanwhile, or fails with its own error
             return
         print(f"rank {self.rank}: stopping: {why}", file=sys.stderr, flush=True)
         self.exit(1)
@@ -104,6 +104,7 @@ class Watchdog:
         others the heartbeat's silence."""
         if self.thread is None:
             return
+        self.failing.set()  # its own error propagates: the thread no longer stops the process for another's
         text = f"{type(error).__name__}: {error}".splitlines()[0][:500] if str(error) \
             else type(error).__name__
         with contextlib.suppress(Exception):
