@@ -368,7 +368,25 @@ def findings(pts: dict) -> list:
     inside = [lab for lab, p in pts.items() if p["family"] != "rows" and not np.isnan(p["over_rows"][0])]
     out.append(f"- {len(inside)} credit arms lie inside the rows' range of cost; above the line by more than twice the "
                f"SE: {', '.join(above) or 'none'}")
+    out.append("- the cost at which the rows line (mean gains) reaches each credit arm's mean gain: a credit arm pays "
+               "over more rows only if it costs less than that")
+    for lab, p in sorted(pts.items(), key=lambda kv: kv[1]["cost"]):
+        if p["family"] != "rows" and p["after"][0] > 0:
+            x, top = break_even(pts, p["after"][0])
+            where = f"{x:.2f}x" if not np.isnan(x) else f"beyond the rows' largest gain ({top[1]:+.3f} at {top[0]:.2f}x)"
+            out.append(f"  - {lab} ({p['rung']}): {p['after'][0]:+.3f} at {p['cost']:.2f}x; the rows line: {where}")
     return out
+
+
+def break_even(pts: dict, gain: float) -> tuple:
+    """The first cost (x GRPO's tokens per update) at which the rows line of mean gains after N updates, linear in log
+    cost from GRPO's (1x, 0), reaches `gain` (nan if it never does), and the rows arm of the largest gain."""
+    line = sorted((p["cost"], 0.0 if lab == GRPO else p["after"][0]) for lab, p in pts.items()
+                  if p["family"] == "rows")
+    for (x0, y0), (x1, y1) in zip(line, line[1:]):
+        if y0 < gain <= y1:
+            return float(np.exp(np.log(x0) + (gain - y0) / (y1 - y0) * (np.log(x1) - np.log(x0)))), None
+    return float("nan"), max(line, key=lambda xy: xy[1])
 
 
 def p_share(p: dict) -> float:
