@@ -285,6 +285,7 @@ def points(runs: dict, ch: dict) -> dict:
                     "after": after, "mean": mean_se(paired(runs, lab, GRPO, path=True)),
                     "share": after[0] / oracle if oracle > 0 else float("nan"),
                     "over_rows": mean_se(over_rows_line(runs, lab)),
+                    "over_counterpart": mean_se(paired(runs, lab, counterpart(lab))),
                     "over_rows_mean": mean_se(over_rows_line(runs, lab, path=True))}
     return out
 
@@ -355,13 +356,13 @@ def findings(pts: dict) -> list:
                                                        for lab in arms) + ")"))
     if ORACLE not in pts:
         out.append(f"- not yet: {ORACLE} has not run on these seeds")
-    out.append("(ii) Coupled minus independent twins at the same decisions and K (gain over GRPO after N updates; "
-               "cost ratio coupled / independent):")
+    out.append("(ii) Coupled minus independent twins at the same decisions and K (EM after N updates, paired by seed; "
+               "each one's gain over GRPO; tokens per update / GRPO's, coupled / independent):")
     for lab, p in pts.items():
         other = counterpart(lab)
         if p["family"] == "coupled" and other in pts and other != lab:
             q = pts[other]
-            out.append(f"- ({p['rung']}) {p['after'][0] - q['after'][0]:+.3f} ({fmt(p['after'])} against "
+            out.append(f"- ({p['rung']}) {fmt(p['over_counterpart'])} ({fmt(p['after'])} against "
                        f"{fmt(q['after'])}); cost {p['cost']:.2f} / {q['cost']:.2f}")
     out.append("(iii) Credit arms against the rows line at their own cost (EM after N updates, paired by seed):")
     above = [lab for lab, p in pts.items() if p["family"] != "rows" and p["over_rows"][0] - 2 * p["over_rows"][1] > 0]
