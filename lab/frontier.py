@@ -346,8 +346,11 @@ def findings(pts: dict) -> list:
     """(i) the cheapest arm of each family taking half the oracle's gain; (ii) coupled against independent at the
     same rung; (iii) the credit arms above the rows line at their cost."""
     out = ["(i) Cheapest arm of each family with at least half the oracle M = 16's gain after N updates:"]
-    for fam in FAMILIES[1:] if ORACLE in pts else ():
-        arms = [lab for lab, p in pts.items() if p["family"] == fam and lab != ORACLE]
+    for fam in FAMILIES if ORACLE in pts else ():
+        arms = [lab for lab, p in pts.items() if p["family"] == fam and lab not in (ORACLE, GRPO)]
+        if not arms:
+            out.append(f"- {fam}: " + ("no arm besides M = 16 run yet" if fam == family(ORACLE) else "not run yet"))
+            continue
         half = [lab for lab in arms if p_share(pts[lab]) >= 0.5]
         pick = min(half, key=lambda lab: pts[lab]["cost"]) if half else None
         out.append(f"- {fam}: " + (f"{pick} ({pts[pick]['rung']}) at {pts[pick]['cost']:.2f}x GRPO's tokens per "

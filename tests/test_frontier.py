@@ -214,6 +214,9 @@ def test_the_frontier_table_by_hand(results):
     assert cells[:2] == ["coupled", "d"] and cells[4] == "1000 + 1000" and cells[5] == "2.00"
     assert cells[7] == "+0.300 +- 0.000" and cells[9] == "0.75" and cells[12] == "2.0"
     assert "- coupled: twice-turn-q1-w1-cap2-solo-k4 (d) at 2.00x GRPO's tokens per update, share 0.75" in text  # (i)
+    # G = 16: 0.11 / 0.4; G = 64's 0.6 - 0.4 is a hair under 0.2 in floating point, so under half
+    assert "- rows: none (G=16 0.27, G=64 0.50)" in text
+    assert "- oracle: no arm besides M = 16 run yet" in text and "- vineppo: not run yet" in text
     assert "- (d) +0.290 +- 0.006 (+0.300 +- 0.000 against +0.010 +- 0.006)" in text  # (ii), paired by seed
     # (iii): the rows line reaches +0.01 at 3 ** (0.01 / 0.11) = 1.1050x; (d)'s +0.3 never (G = 64: +0.2 at 9x)
     assert f"  - {frontier.counterpart(frontier.LADDER['d'])} (d): +0.010 at 4.00x; the rows line: 1.11x" in text
