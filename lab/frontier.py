@@ -347,7 +347,9 @@ def findings(pts: dict) -> list:
     same rung; (iii) the credit arms above the rows line at their cost."""
     out = ["(i) Cheapest arm of each family with at least half the oracle M = 16's gain after N updates:"]
     for fam in FAMILIES if ORACLE in pts else ():
-        arms = [lab for lab, p in pts.items() if p["family"] == fam and lab not in (ORACLE, GRPO)]
+        # an arm counts once it has run on every seed GRPO has (a share from fewer seeds is not paired alike)
+        arms = [lab for lab, p in pts.items() if p["family"] == fam and lab not in (ORACLE, GRPO)
+                and p["seeds"] >= pts[GRPO]["seeds"]]
         if not arms:
             out.append(f"- {fam}: " + ("no arm besides M = 16 run yet" if fam == family(ORACLE) else "not run yet"))
             continue
