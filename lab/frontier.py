@@ -505,8 +505,9 @@ def spearman(x, y) -> float:
 
 
 def audit_table(pts: dict) -> list:
-    """The gradient audit of the rungs (fixed policies) beside their training: cosine with the oracle's reference,
-    tokens per decision, gains; and how well each policy's cosines order the rungs as training does."""
+    """The gradient audit of the rungs (fixed policies) beside their training (arms run on every seed GRPO has):
+    cosine with the oracle's reference, tokens per decision, gains; and how well each policy's cosines order the
+    rungs as training does."""
     audits = {}
     for tag in ("warm", "mid"):
         path = os.path.join(GRADAUDIT, f"{WORLD}-frontier-{tag}", "gradaudit.json")
@@ -515,7 +516,7 @@ def audit_table(pts: dict) -> list:
     if not audits:
         return []
     tags = list(audits)
-    labels = [lab for lab in audits[tags[0]] if lab in pts]
+    labels = [lab for lab in audits[tags[0]] if lab in pts and pts[lab]["seeds"] >= pts[GRPO]["seeds"]]
     lines = ["| label | " + " | ".join(f"cos ({t})" for t in tags) + " | aux tokens / decision | EM after N - GRPO's "
              "| mean EM - GRPO's |", "|---|" + "---:|" * (len(tags) + 3)]
     for lab in labels:
