@@ -285,7 +285,9 @@ def points(runs: dict, ch: dict) -> dict:
                     "after": after, "mean": mean_se(paired(runs, lab, GRPO, path=True)),
                     "share": after[0] / oracle if oracle > 0 else float("nan"),
                     "over_rows": mean_se(over_rows_line(runs, lab)),
-                    "over_counterpart": mean_se(paired(runs, lab, counterpart(lab))),
+                    "over_counterpart": mean_se(paired(runs, lab, counterpart(lab)) if family(lab) == "coupled"
+                                                else []),
+                    "complete": len(seeds) >= len(runs[GRPO]),  # run on every seed GRPO has
                     "over_rows_mean": mean_se(over_rows_line(runs, lab, path=True))}
     return out
 
@@ -348,8 +350,7 @@ def findings(pts: dict) -> list:
     out = ["(i) Cheapest arm of each family with at least half the oracle M = 16's gain after N updates:"]
     for fam in FAMILIES if ORACLE in pts else ():
         # an arm counts once it has run on every seed GRPO has (a share from fewer seeds is not paired alike)
-        arms = [lab for lab, p in pts.items() if p["family"] == fam and lab not in (ORACLE, GRPO)
-                and p["seeds"] >= pts[GRPO]["seeds"]]
+        arms = [lab for lab, p in pts.items() if p["family"] == fam and lab not in (ORACLE, GRPO) and p["complete"]]
         if not arms:
             out.append(f"- {fam}: " + ("no arm besides M = 16 run yet" if fam == family(ORACLE) else "not run yet"))
             continue
@@ -378,21 +379,24 @@ def findings(pts: dict) -> list:
                "over more rows only if it costs less than that")
     for lab, p in sorted(pts.items(), key=lambda kv: kv[1]["cost"]):
         if p["family"] != "rows" and p["after"][0] > 0:
-            x, top = break_even(pts, p["after"][0])
-            where = f"{x:.2f}x" if not np.isnan(x) else f"beyond the rows' largest gain ({top[1]:+.3f} at {top[0]:.2f}x)"
+            x, (top_cost, top_gain) = break_even(pts, p["after"][0])
+            where = f"{x:.2f}x" if not np.isnan(x) else \
+                f"beyond the rows' largest gain ({top_gain:+.3f} at {top_cost:.2f}x)"
             out.append(f"  - {lab} ({p['rung']}): {p['after'][0]:+.3f} at {p['cost']:.2f}x; the rows line: {where}")
     return out
 
 
 def break_even(pts: dict, gain: float) -> tuple:
     """The first cost (x GRPO's tokens per update) at which the rows line of mean gains after N updates, linear in log
-    cost from GRPO's (1x, 0), reaches `gain` (nan if it never does), and the rows arm of the largest gain."""
+    cost from GRPO's (1x, 0), reaches `gain` (nan if it never does); and the (cost, gain) of the rows arm of the
+    largest gain."""
     line = sorted((p["cost"], 0.0 if lab == GRPO else p["after"][0]) for lab, p in pts.items()
                   if p["family"] == "rows")
+    top = max(line, key=lambda xy: xy[1])
     for (x0, y0), (x1, y1) in zip(line, line[1:]):
         if y0 < gain <= y1:
-            return float(np.exp(np.log(x0) + (gain - y0) / (y1 - y0) * (np.log(x1) - np.log(x0)))), None
-    return float("nan"), max(line, key=lambda xy: xy[1])
+            return float(np.exp(np.log(x0) + (gain - y0) / (y1 - y0) * (np.log(x1) - np.log(x0)))), top
+    return float("nan"), top
 
 
 def p_share(p: dict) -> float:
@@ -516,7 +520,7 @@ def audit_table(pts: dict) -> list:
     if not audits:
         return []
     tags = list(audits)
-    labels = [lab for lab in audits[tags[0]] if lab in pts and pts[lab]["seeds"] >= pts[GRPO]["seeds"]]
+    labels = [lab for lab in audits[tags[0]] if lab in pts and pts[lab]["complete"]]
     lines = ["| label | " + " | ".join(f"cos ({t})" for t in tags) + " | aux tokens / decision | EM after N - GRPO's "
              "| mean EM - GRPO's |", "|---|" + "---:|" * (len(tags) + 3)]
     for lab in labels:

@@ -3,8 +3,8 @@ every factual token's text and every twin's D and q as the replay computes them 
 token where each twin parts from its line at the position the text replay reports, refers to nothing outside the
 file; bad inputs get one line each and the run folder is left as it was."""
 import json
-import re
 import os
+import re
 import shutil
 from html.parser import HTMLParser
 
